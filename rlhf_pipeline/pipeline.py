@@ -258,12 +258,20 @@ def means_none(raw: str) -> bool:
 def zarr_where_the_buffer_is_a_url(overrides: Sequence[str], *, run_at_a_url: bool = False) -> list[str]:
     """``overrides``, with ``buffer_backend=zarr`` added where the buffer lives at a URL (``buffer_url``
     given, or ``run_at_a_url``) and no ``buffer_backend`` is given: only Zarr lives there."""
-    given = {item.split("=", 1)[0].strip(): item.split("=", 1)[-1].strip() for item in overrides}
+    given = dict(split_override(item) for item in overrides)
     at_a_url = run_at_a_url or not means_none(given.get("buffer_url", "none"))
     return [*overrides, "buffer_backend=zarr"] if at_a_url and "buffer_backend" not in given else list(overrides)
 
 
 # ====================================================================== --set
+def split_override(item: str) -> tuple[str, str]:
+    """``(key, value)`` of one ``--set key=value``, each stripped; PipelineError for anything else."""
+    key, equals, raw = (part.strip() for part in item.partition("="))
+    if not equals or not key:
+        raise PipelineError(f"--set expects key=value, got {item!r}")
+    return key, raw
+
+
 def apply_overrides(settings: Any, overrides: Sequence[str]) -> Any:
     """Returns a copy of ``settings`` with each ``key=value`` (dotted keys for nesting) applied.
 
@@ -271,9 +279,7 @@ def apply_overrides(settings: Any, overrides: Sequence[str]) -> Any:
     (``sample_window >= batch_size``) see the values given together, in whatever order."""
     changes: dict[str, Any] = {}
     for item in overrides:
-        if "=" not in item:
-            raise PipelineError(f"--set expects key=value, got {item!r}")
-        key, raw = (part.strip() for part in item.split("=", 1))
+        key, raw = split_override(item)
         level = changes
         parts = key.split(".")
         for depth, part in enumerate(parts[:-1]):

@@ -45,6 +45,7 @@ def test_default_pipeline_loads_and_documents_its_settings():
         ("steps=ten", "setting 'steps' expects int, got 'ten'"),
         ("arch=gpt2", "setting 'arch' must be one of ['qwen2', 'llama'], got 'gpt2'"),
         ("steps", "--set expects key=value"),
+        ("=5", "--set expects key=value, got '=5'"),  # was "unknown setting ''"
         ("seed.x=1", "'seed' has no sub-settings"),
     ],
 )

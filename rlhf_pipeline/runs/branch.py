@@ -23,6 +23,7 @@ from rlhf_pipeline.files.atomic import json_object, why_unwritable
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.files.settings_history import flat_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError
+from rlhf_pipeline.pipeline import split_override
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
@@ -186,12 +187,15 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     """The parent's ``settings.json`` with ``overrides`` applied (names and values checked by the
     parent's copy of its pipeline file; the learner checks the whole at its start), and what changed
     as ``key: was A, now B`` lines."""
+    from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json
+
     for item in overrides:
-        if "=" not in item:
-            raise BranchError(f"--set expects key=value, got {item!r}")
+        try:
+            split_override(item)
+        except PipelineError as exc:
+            raise BranchError(str(exc)) from None
     if not overrides:
         return saved, []
-    from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json
     from rlhf_pipeline.runs.pipeline_copy import load_copy
 
     try:
@@ -199,7 +203,7 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         defaults, was = make_settings(module), flat_settings(saved)
         known = flat_settings(settings_to_json(defaults))  # an unknown name is make_settings' to say below
         for item in overrides:  # the rows so far were made with the rest: refused before their values are read
-            key, raw = (part.strip() for part in item.split("=", 1))
+            key, raw = split_override(item)
             given = None if means_none(raw) else raw
             if key in known and not may_change_on_resume(key, defaults, was.get(key), given):
                 raise BranchError(
@@ -213,7 +217,7 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         raise BranchError(f"--set: {exc}") from None
     settings, changed = json.loads(json.dumps(saved)), []
     for item in overrides:
-        key = item.split("=", 1)[0].strip()
+        key = split_override(item)[0]
         set_dotted(settings, key, now.get(key))
         if was.get(key) != now.get(key):
             changed.append(f"{key}: was {was.get(key)!r}, now {now.get(key)!r}")
@@ -229,7 +233,7 @@ def _steps_past(settings: dict[str, Any], step: int, newest: int, overrides: Seq
     replay = settings.get("replay")
     counted = settings if replay is None else replay
     was = counted.get("steps")
-    if any(item.split("=", 1)[0].strip() == "steps" for item in overrides):
+    if any(split_override(item)[0] == "steps" for item in overrides):
         if replay is not None:  # the printed replay command gives --steps from the record, not --set steps
             replay.update(steps=settings["steps"], epochs=None)
         return []

@@ -27,6 +27,7 @@ from rlhf_pipeline.pipeline import (
     load_pipeline_module,
     make_settings,
     settings_to_json,
+    split_override,
 )
 from rlhf_pipeline.runs.devices import check_cuda_device
 from rlhf_pipeline.runs.replay_options import ReplayOptions
@@ -56,7 +57,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         return 0
     check_cuda_device(settings.device)  # before torch is imported
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
-    if "buffer_backend" not in {item.split("=", 1)[0].strip() for item in cli_overrides}:
+    if "buffer_backend" not in {split_override(item)[0] for item in cli_overrides}:
         # a replay keeps no buffer of its own: its buffer_backend is what its settings.json says (a branch of a
         # run at a URL says zarr, which that run took unless told), not the pipeline's default to be refused
         recorded_backend = (_saved_settings(paths) or {}).get("buffer_backend")
