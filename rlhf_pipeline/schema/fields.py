@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # batch.py imports this module
 
 SCHEMA_VERSION = 1
 TOKEN_ID_MAX = 2**31 - 1  # token ids are stored as int32
-FLOAT32_MAX = 3.4028234663852886e38  # rewards are stored as float32: a larger magnitude becomes infinite
+FLOAT32_MAX = 3.4028234663852886e38  # float32's largest; rewards, advantages and log-probs are float32: a larger magnitude is infinite
 # A log-prob is <= 0, up to this rounding slack. Engines compute the sampled token's log-prob
 # as ``logit / T - logsumexp(logits / T)`` in float32, often with the scaling or the reduction
 # done by another kernel than the logit's; for a near-certain token the two round apart by a

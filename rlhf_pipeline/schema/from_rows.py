@@ -18,6 +18,7 @@ from rlhf_pipeline.schema.ragged import RaggedTensor, lengths_to_offsets
 from rlhf_pipeline.schema.fields import (
     FIELDS,
     FIELDS_BY_NAME,
+    FLOAT32_MAX,
     TOKEN_ID_MAX,
     FieldSpec,
     Trajectory,
@@ -25,7 +26,6 @@ from rlhf_pipeline.schema.fields import (
 )
 
 _INT_RANGE = {torch.int32: (-(2**31), 2**31 - 1), torch.int64: (-(2**63), 2**63 - 1)}
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def columns_from_rows(rows: Iterable[Trajectory | Mapping]) -> dict[str, Any]:
@@ -115,7 +115,7 @@ def _token_column(spec: FieldSpec, values: list[Any]) -> RaggedTensor:
         pos = int(torch.nonzero(overflow)[0])
         row = int(torch.searchsorted(offsets, pos, right=True)) - 1
         raise TrajectoryValidationError(
-            f"value {float(flat[pos])!r} does not fit in float32 (largest {_FLOAT32_MAX:.4g})",
+            f"value {float(flat[pos])!r} does not fit in float32 (largest {FLOAT32_MAX:.4g})",
             row=row, field=spec.name,
         )
     return RaggedTensor(narrowed, offsets)
@@ -148,7 +148,7 @@ def _sequence(spec: FieldSpec, value: Any, i: int, integer: bool) -> torch.Tenso
     except (OverflowError, RuntimeError, ValueError):  # an integer beyond int64 (or float64)
         big = next(int(v) for v in value if not -(2**63) <= int(v) < 2**63)
         what = f"token id {big} is outside [0, {TOKEN_ID_MAX}] (ids are stored as int32)" if integer else \
-            f"value {_show(big)} does not fit in float32 (largest {_FLOAT32_MAX:.4g})"
+            f"value {_show(big)} does not fit in float32 (largest {FLOAT32_MAX:.4g})"
         raise TrajectoryValidationError(what, row=i, field=spec.name) from None
 
 
@@ -230,12 +230,12 @@ def _row_column(spec: FieldSpec, values: list[Any]) -> torch.Tensor:
                 )
             try:
                 number = float(value)
-                overflow = math.isfinite(number) and abs(number) > _FLOAT32_MAX
+                overflow = math.isfinite(number) and abs(number) > FLOAT32_MAX
             except OverflowError:  # an int beyond even float64
                 overflow = True
             if overflow:
                 raise TrajectoryValidationError(
-                    f"value {_show(value)} does not fit in float32 (largest {_FLOAT32_MAX:.4g})",
+                    f"value {_show(value)} does not fit in float32 (largest {FLOAT32_MAX:.4g})",
                     row=i, field=spec.name,
                 )
             out.append(number)
