@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import buffer_given, run_or_path
+from rlhf_pipeline.cli.checks import buffer_given, run_or_path, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     problem = _destination_problem(args.src, args.dst)
     if problem is not None:
         raise CommandRefused(problem)
+    writable_output(args.dst, "DST")
     skipped: dict[str, str] = {}
     sharded = is_sharded_buffer(args.src)
     try:  # the shards a learner reads: one still being made is left out, as the learner does
@@ -85,7 +86,6 @@ def _destination_problem(src: str, dst: str) -> str | None:
     """Why ``dst`` cannot take the converted buffer, in words for the command line; else None."""
     import os
 
-    from rlhf_pipeline.files.atomic import why_unwritable
     from rlhf_pipeline.storage.buffers import buffer_holding, within
 
     if within(dst, src):
@@ -99,8 +99,7 @@ def _destination_problem(src: str, dst: str) -> str | None:
     if holder is not None:
         return (f"{dst} is inside the buffer {holder}: a store written there becomes part of that buffer (a shard "
                 f"of a run's buffer is read by its learner); choose a path outside it")
-    why = None if "://" in dst else why_unwritable(dst)
-    return None if why is None else f"DST {dst} cannot be written: {why}; choose another DST"
+    return None
 
 
 def _describe(dst: str, stats, verified: bool) -> str:
