@@ -26,6 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
+from rlhf_pipeline.coordination.weights import HeldVersions, weights_for_branches
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
 from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints
@@ -134,6 +135,9 @@ class Learner:
         self._lora: LoraPolicy | None = None  # learner.lora.rank > 0: the adapter trained on version 0
         self._publication: tuple[int, Any] | None = None  # (version, the adapter) rank 0 published last
         self._weights_listing: list[str] | None = None  # weights/ as rank 0's publishes left it (listed once)
+        # rank 0 of a learner fed by collectors: what their branches need (weights_for_branches)
+        self._held_versions = HeldVersions()
+        self._rewind_records: list[dict[str, Any]] = []  # the kept checkpoints', oldest first
 
     @classmethod
     def from_pipeline(cls, pipeline, paths: RunPaths, stop_event: threading.Event | None = None,
@@ -155,6 +159,7 @@ class Learner:
                             self._lora.base_digest if self._lora is not None else None)
         if self.data_parallel.is_main:
             self._retract_versions_past_checkpoint(checkpoint)
+            self._read_rewind_records()
         self._setup_model(checkpoint)
         self._setup_optimizer(checkpoint)
         self._setup_data(checkpoint)
@@ -275,7 +280,7 @@ class Learner:
             # a branch of a step whose version its parent pruned (runs/branch.py copies only what is
             # published): the adapter, with this learner's canary, from the checkpoint that holds it
             publish_weights(self.paths.store, self._lora.publication(self.model, version), version,
-                            keep_versions=(0,))
+                            keep_versions=self._versions_kept(version))
 
     def _setup_optimizer(self, checkpoint: dict[str, Any] | None) -> None:
         # FSDP's sharded DTensor parameters keep AdamW's default implementation, not the fused one
@@ -484,20 +489,26 @@ class Learner:
         version = self.progress.policy_version + 1
         if self._lora is not None:  # the adapter alone, with this learner's canary under it; its base stays
             # (alike on every rank under DDP: rank 0's alone is written, its canary's forward run there only)
-            state, base_kept = (self._lora.publication(self.model, version) if dp.is_main else None), True
+            state = self._lora.publication(self.model, version) if dp.is_main else None
             self._publication = (version, state)
         else:
             state = dp.model_state(self.model)  # whole, on rank 0 (FSDP gathers it from every rank)
-            base_kept = not self._saved_a_checkpoint  # until a checkpoint holds the model, a restart starts from it
             # what publication() hands on at this step: the live weights, or under FSDP the copy just
             # gathered, since publication() is asked on rank 0 alone and a gather needs every rank
             self._publication = (version, state if dp.sharded else None)
         if dp.is_main:  # rank 0 writes the weights
-            keep = (*((0,) if base_kept else ()), *self.keep_versions_for(version))
             if self._weights_listing is None:  # after setup's retraction: this learner alone changes it from here
                 self._weights_listing = self.paths.store.list(WEIGHTS)
-            publish_weights(self.paths.store, state, version, keep_versions=keep, listing=self._weights_listing)
+            publish_weights(self.paths.store, state, version, keep_versions=self._versions_kept(version),
+                            listing=self._weights_listing)
         self.progress.policy_version = version
+
+    def _versions_kept(self, newest: int) -> list[int]:
+        """The versions up to ``newest`` kept beside the newest few: the base (an adapter run's for ever, else
+        until a checkpoint holds the model: a restart starts from it), the evaluator's and what branches need."""
+        base_kept = self._lora is not None or not self._saved_a_checkpoint
+        return [*((0,) if base_kept else ()), *self.keep_versions_for(newest),
+                *weights_for_branches(self._rewind_records, self._collectors_held(), newest)]
 
     def publication(self) -> dict[str, torch.Tensor]:
         """What rank 0 published as the current version, asked on rank 0 alone right after the step
@@ -524,6 +535,7 @@ class Learner:
         optimizer_state = self.data_parallel.optimizer_state(self.model, self.optimizer)
         if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
             return
+        held = self._collectors_held()  # before the buffer's state: a refresh in between only moves that on
         state = {
             **model_state,
             "optimizer": optimizer_state,
@@ -543,8 +555,36 @@ class Learner:
         record = {"buffer_rows": buffer_rows(state["buffer"]), "consumed": dict(self._pacing.intake.consumed)}
         if self._lora is not None:  # a branch of this step needs version 0 too: the adapter's base
             record["lora_rank"] = self.settings.lora.rank
+        if held:
+            record["held_versions"] = {name: version for name, (_, version) in held.items()}
         self.checkpoints.save(self.progress, state, record=record)
         self._saved_a_checkpoint = True
+        self._keep_rewind_record({**record, "step": self.progress.step, "policy_version": self.progress.policy_version})
+
+    # ================================================================== the weights a branch needs
+    def _collectors_held(self) -> dict[str, tuple[int, int]]:
+        if not self.source.fed_by_collectors or self._store is None:
+            return {}  # a replay's buffer holds another run's versions
+        return self._held_versions(self._store)
+
+    def _read_rewind_records(self) -> None:
+        if self.source.fed_by_collectors:
+            self._rewind_records = [self.checkpoints.record(step) or {"step": step} for step in self.checkpoints.steps()]
+
+    def _keep_rewind_record(self, record: dict[str, Any]) -> None:
+        """After a checkpoint was saved with ``record`` (and older ones pruned): the versions only the
+        checkpoints pruned kept go now, not at the next publish (a run's last checkpoint is followed by none)."""
+        if not self.source.fed_by_collectors:
+            return
+        kept = self.checkpoints.steps()
+        released = any(r["step"] not in kept for r in self._rewind_records)
+        self._rewind_records = [r for r in self._rewind_records if r["step"] in kept and r["step"] != record["step"]]
+        self._rewind_records.append(record)
+        if released:
+            from rlhf_pipeline.coordination.weights import prune_versions
+
+            prune_versions(self.paths.store, keep_versions=self._versions_kept(self.progress.policy_version),
+                           listing=self._weights_listing)
 
     # ================================================================== cleanup
     def cleanup(self) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from rlhf_pipeline.files.run_store import state_store_and_key
@@ -94,8 +94,8 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
 
 def _copy_parent_weights(parent: Any, branch: Any, history: Any, oldest: int, newest: int) -> None:
     """Copies (links, server-side copies) of the parent's weights of versions ``oldest..newest`` into
-    the branch's ``weights/``: the parent's own object while it keeps it, else the one its
-    collector's history keeps."""
+    the branch's ``weights/``: the parent's learner keeps them for its kept checkpoints; a run made
+    before it did keeps them in its collector's history."""
     from rlhf_pipeline.coordination.weights import LEGACY_SUFFIX, SUFFIX, WEIGHTS, published_objects
 
     kept, have = published_objects(parent.store), published_objects(branch.store)
@@ -145,10 +145,10 @@ def keep_position_history(paths: Any, where: Any, run_store: Any, shard_key: str
     store, key = state_store_and_key(where, run_store)
     name = buffer_rows_key(shard_key)
 
-    seen: dict[tuple[int, ...], list[tuple[int, int]] | None] = {}
+    seen: dict[tuple[int, ...], list[int] | None] = {}
     listed_at = [-math.inf]
 
-    def kept() -> list[tuple[int, int]] | None:
+    def kept() -> list[int] | None:
         # the records are read again only when the kept checkpoints change. A directory is listed at every
         # append; at a URL, a request each, at most every CHECKPOINTS_RELIST_S: an older answer prunes
         # less, never an entry a newer checkpoint names (its rows are past every older checkpoint's)
@@ -159,27 +159,9 @@ def keep_position_history(paths: Any, where: Any, run_store: Any, shard_key: str
         steps = tuple(checkpoints.steps())
         if steps not in seen:
             records = [checkpoints.record(step) or {} for step in steps]
-            points = [(int(r["buffer_rows"][name]), int(r.get("policy_version", r["step"])))
-                      for r in records if name in (r.get("buffer_rows") or {})]
+            rows = [int(r["buffer_rows"][name]) for r in records if name in (r.get("buffer_rows") or {})]
             seen.clear()
-            seen[steps] = points or None
+            seen[steps] = rows or None
         return seen[steps]
 
-    from rlhf_pipeline.coordination.weights import weights_path
-
-    # the history links the run's weights file in a directory, copies its object at a URL: it takes the one its store uses
-    return PositionHistory(store, history_key(key), kept, lambda version: weights_path(paths.root, version),
-                           weights_object=weights_object_keys(paths))
-
-
-def weights_object_keys(paths: Any) -> Any:
-    """The keys the run's weights object of a version may have: the name a publish gives it, then,
-    only if that one is not there, the one a listing finds (a run made before safetensors)."""
-    from rlhf_pipeline.coordination.weights import WEIGHTS, published_name, published_objects
-
-    def keys(version: int) -> Iterator[str]:
-        yield f"{WEIGHTS}/{published_name(version)}"
-        if (listed := published_objects(paths.store).get(version)) not in (None, published_name(version)):
-            yield f"{WEIGHTS}/{listed}"
-
-    return keys
+    return PositionHistory(store, history_key(key), kept)

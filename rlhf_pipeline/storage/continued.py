@@ -66,6 +66,11 @@ class ContinuedShard(TrajectoryStore):
         return self.parent_rows + self.own.next_row
 
     @property
+    def writer_state(self) -> bytes | None:
+        """The branch's collector's, once it has appended (the parent's rows carry the parent's)."""
+        return self.own.writer_state
+
+    @property
     def supports_eviction(self) -> bool:
         return False
 

@@ -65,25 +65,23 @@ def test_each_round_is_kept_by_its_row_count_and_pruned_to_what_kept_checkpoints
     assert torch.equal(at_24["committed"]["rng"], state(3)["rng"])
     # checkpoints kept at 16 and 32 rows: the rest before the newest goes, what follows it stays
     pruned = PositionHistory(LocalRunStore(tmp_path / "collector"), history_key("shard-0000.pt"),
-                             lambda: [(16, 2), (32, 4)])
+                             lambda: [16, 32])
     assert pruned.prune() == [8, 24]
     assert pruned.rows() == [16, 32, 40, 48]
 
 
-def test_the_weights_a_kept_state_sampled_with_stay_linked_after_the_run_prunes_them(tmp_path):
-    weights = tmp_path / "weights"
-    weights.mkdir()
-    for version in range(4):
-        (weights / f"v{version}").write_bytes(bytes([version]) * 8)
-    history = PositionHistory(LocalRunStore(tmp_path / "collector"), "shard-0000.history",
-                              lambda: [(16, 2)], weights_file=lambda v: weights / f"v{v}")
+def test_a_history_made_before_the_learner_kept_the_weights_still_gives_the_ones_it_linked(tmp_path):
+    """Runs made before the learner kept the versions a branch needs kept links to them in the history:
+    a branch still finds them there; a history now records states only."""
+    history = PositionHistory(LocalRunStore(tmp_path / "collector"), "shard-0000.history")
+    (tmp_path / "collector" / "shard-0000.history").mkdir(parents=True)
+    (tmp_path / "collector" / "shard-0000.history" / "policy_00000001").write_bytes(b"v1")  # an older run's link
     for round_ in range(1, 4):  # states holding versions 0, 1, 1
         history.record(8 * round_, published(round_))
-    for version in range(4):
-        (weights / f"v{version}").unlink()  # the learner pruned them
-    # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on
     assert history.weights_key(0) is None
-    assert (tmp_path / "collector" / history.weights_key(1)).read_bytes() == bytes([1]) * 8
+    assert (tmp_path / "collector" / history.weights_key(1)).read_bytes() == b"v1"
+    assert sorted(p.name for p in (tmp_path / "collector" / "shard-0000.history").iterdir()) == [
+        "policy_00000001", "row_000000000008.pt", "row_000000000016.pt", "row_000000000024.pt"]
 
 
 # a process that imports once, then forks a child per line it reads: the child commits rounds until the
@@ -156,48 +154,14 @@ def test_a_crash_between_the_append_and_the_history_entry_is_kept_at_the_next_st
     assert torch.equal(kept["committed"]["rng"], state(3)["rng"])
 
 
-def test_at_a_url_the_weights_a_kept_state_sampled_with_stay_as_copies_after_the_run_prunes_them(s3_server,
-                                                                                                 s3_env):
+def test_at_a_url_each_entry_is_one_put(s3_server, s3_env):
+    """Nothing else per round: no copy of weights, no listing (the learner keeps what a branch needs)."""
     from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
     store = ObjectRunStore(s3_server.url("run"))
-    for version in range(4):
-        store.write(f"weights/policy_{version:08d}.safetensors", bytes([version]) * 8, fence=False)
-    kept = [(16, 2)]
-    history = PositionHistory(store, "collector/shard-0000.history", lambda: list(kept),
-                              weights_object=lambda v: [f"weights/policy_{v:08d}.safetensors"])
-    for round_ in range(1, 4):  # states holding versions 0, 1, 1
-        history.record(8 * round_, published(round_))
-    for version in range(4):
-        store.delete(f"weights/policy_{version:08d}.safetensors")  # the learner pruned them
-    # the checkpoint at 16 rows (policy version 2) needs from the version its state held (1) on
-    assert history.weights_key(0) is None
-    assert store.read(history.weights_key(1)) == bytes([1]) * 8
-    kept[:] = [(24, 3)]  # a later checkpoint: the state at 24 rows held version 1, still needed
-    history.prune()
-    assert history.weights_key(1) is not None and history.rows() == [24]
-
-
-def test_at_a_url_each_entry_is_one_put_and_each_new_version_one_server_side_copy(s3_server, s3_env):
-    """No HEAD before the copy (one replaces its target only once made) and no listing of weights/ to
-    find the object's name: a publish names it. A run made before safetensors has another name, found
-    by a listing only then."""
-    from rlhf_pipeline.files.run_paths import RunPaths
-    from rlhf_pipeline.runs.branch_online import weights_object_keys
-
-    paths = RunPaths.at_url(s3_server.url("run"))
-    store = paths.store
-    for version in range(3):
-        store.write(f"weights/policy_{version:08d}.safetensors", bytes([version]) * 8, fence=False)
-    store.write("weights/policy_00000003.pt", b"legacy", fence=False)
-    history = PositionHistory(store, "collector/shard-0000.history",
-                              weights_object=weights_object_keys(paths))
+    history = PositionHistory(store, "collector/shard-0000.history")
     with s3_server.requests.recording() as sent:
-        for round_ in range(1, 5):  # states holding versions 0, 1, 1, 2
+        for round_ in range(1, 5):
             history.record(8 * round_, published(round_))
-    assert sorted(method for method, _ in sent) == ["PUT"] * 7, sent  # 4 entries, 3 copies (CopyObject is a PUT)
-    with s3_server.requests.recording() as sent:
-        history.record(48, published(6))  # holds version 3, kept as an older run named it
-    assert sum("list-type=2" in path for _, path in sent) == 1, sent
-    assert [store.read(history.weights_key(version)) for version in range(4)] == [
-        bytes([0]) * 8, bytes([1]) * 8, bytes([2]) * 8, b"legacy"]
+    assert sorted(method for method, _ in sent) == ["PUT"] * 4, sent
+    assert history.rows() == [8, 16, 24, 32] and history.held_at(32) == 2

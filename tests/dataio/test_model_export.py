@@ -64,12 +64,13 @@ def test_exported_model_has_the_runs_logits_tokenizer_and_sampling(tiny_run, tmp
 
 
 def test_versions_on_disk_come_from_weights_and_checkpoints(tiny_run, tmp_path):
-    # weights/ keeps the last 3 of v0..v3; checkpoints at steps 2 and 3 hold v2 and v3
+    # weights/ keeps the last 3 of v0..v3, and v0 too: the collector held it at the rows the kept
+    # checkpoints name, so a branch from them samples with it. Checkpoints at steps 2 and 3 hold v2 and v3
     found = available_versions(tiny_run)
-    assert sorted(found) == [1, 2, 3] and all(v.kind == "weights" for v in found.values())
+    assert sorted(found) == [0, 1, 2, 3] and all(v.kind == "weights" for v in found.values())
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
-    for version in (1, 2, 3):
+    for version in (0, 1, 2, 3):
         weights_path(run, version).unlink()
     found = available_versions(run)
     assert {v: s.kind for v, s in found.items()} == {2: "checkpoint", 3: "checkpoint"}
@@ -147,7 +148,8 @@ def test_list_versions_needs_no_output_path_and_imports_no_torch(tiny_run):
         [sys.executable, "-c", "import sys; from rlhf_pipeline.cli.main import main; code = main(sys.argv[1:]); "
                                "print('torch' in sys.modules, 'transformers' in sys.modules); sys.exit(code)",
          "export-model", str(tiny_run), "--list-versions"], capture_output=True, text=True, check=True)
-    assert listing.stdout.splitlines() == ["v1 (weights policy_00000001.safetensors)",
+    assert listing.stdout.splitlines() == ["v0 (weights policy_00000000.safetensors)",
+                                           "v1 (weights policy_00000001.safetensors)",
                                            "v2 (weights policy_00000002.safetensors)",
                                            "v3 (weights policy_00000003.safetensors)", "False False"]
 

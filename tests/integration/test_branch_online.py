@@ -110,6 +110,21 @@ def test_a_branch_with_nothing_changed_trains_online_what_the_parent_trained_aft
     assert own and own == rows(parent / "buffer", first=at_step["shard-0000"])
 
 
+def test_the_parent_keeps_the_weights_its_kept_steps_branches_sample_with_and_no_more(runs):
+    """Beside its newest three versions the learner keeps, for each kept checkpoint, those from the one
+    its collector held at the checkpoint's rows up to the checkpoint's own: what the branch above sampled
+    with, long after the parent's learner moved on. Nothing else is kept, and the collector's history
+    keeps no weights."""
+    home, parent, _ = runs
+    records = [json.loads(p.read_text()) for p in sorted((parent / "checkpoints").glob("step_*.json"))]
+    assert [r["step"] for r in records] == [4, 8, 12, 16]
+    pinned = {v for r in records for v in range(min(r["held_versions"].values()), r["policy_version"] + 1)}
+    newest = set(range(STEPS - 2, STEPS + 1))
+    assert {int(p.name[len("policy_"):][:8]) for p in (parent / "weights").iterdir()} == pinned | newest
+    assert BRANCH_AT - 1 in pinned - newest  # the version the branch's collector held, long pruned otherwise
+    assert not [p for p in (parent / "collector").rglob("policy_*")]
+
+
 def test_a_branch_continued_online_is_not_branched_again_yet(runs, capsys):
     home, _, _ = runs
     assert main(["branch", str(home / "same"), "--from-step", str(STEPS), str(home / "again")]) == 2
@@ -326,9 +341,12 @@ def test_a_branch_at_a_url_with_nothing_changed_trains_online_what_the_parent_tr
 
     home, parent = parent_at_url
     before = digest(parent)
-    # the collector's states, and copies of the weights versions they held, at the parent's URL
+    # the collector's states at the parent's URL; the weights versions they held, in the parent's weights/
     assert any(key.startswith("collector/shard-0000.history/row_") for key in before)
-    assert any(key.startswith("collector/shard-0000.history/policy_") for key in before)
+    assert not any(key.startswith("collector/shard-0000.history/policy_") for key in before)
+    record = json.loads(run_store_at(parent).read("checkpoints/step_00000004.json"))
+    held = min(record["held_versions"].values())
+    assert held < 6 and all(f"weights/policy_{v:08d}.safetensors" in before for v in range(held, 5))
     assert main(["branch", parent, "--from-step", "4", "same"]) == 0
     # the parent's command with every --set it was given, the pipeline file as PIPELINE.py: run as printed
     printed = printed_command(capsys.readouterr().err, "run")

@@ -1,7 +1,7 @@
 """A branch of a LoRA run, continued online with ``run``, trains what its parent trained after the branch
-step: the same steps, rows and weights. The parent's version of the branch step is pruned by then (it
-keeps the last few), so the branch starts from the checkpoint's adapter, which its learner publishes
-again with its canary, on the parent's version 0 (the base), copied with it. The machinery is
+step: the same steps, rows and weights. With the parent's version of the branch step gone (as in a run
+made before the learner kept it), the branch starts from the checkpoint's adapter, which its learner
+publishes again with its canary, on the parent's version 0 (the base), copied with it. The machinery is
 tests/integration/test_branch_online.py's."""
 
 from __future__ import annotations
@@ -23,7 +23,10 @@ LORA = ("learner.lora.rank=4", "learner.lr=3e-3")
 def test_a_branch_of_a_lora_run_trains_online_what_its_parent_trained(tmp_path):
     run(tmp_path, "parent", *LORA)
     parent = tmp_path / "parent"
-    assert BRANCH_AT not in published_versions(parent)  # pruned: the branch starts from the checkpoint
+    # the learner keeps the versions a kept step's branch samples with, its own among them; gone, as in a
+    # run made before it did, the branch starts from the checkpoint's adapter all the same
+    assert BRANCH_AT in published_versions(parent)
+    (parent / "weights" / f"policy_{BRANCH_AT:08d}.safetensors").unlink()
     before = digest(parent)
     assert main(["branch", str(parent), "--from-step", str(BRANCH_AT), "same"]) == 0
     run(tmp_path, "same", *LORA)

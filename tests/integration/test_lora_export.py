@@ -5,6 +5,7 @@ only in a checkpoint alike. The run is tests/integration/test_lora_resume.py's u
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from helpers import needs_peft
@@ -13,6 +14,7 @@ import torch
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_published, published_versions
 from rlhf_pipeline.models.lora import canary_log_probs
+from rlhf_pipeline.pipeline import RunPaths
 from tests.integration.test_resume_at_every_distance import (  # noqa: F401  (fixtures)
     CHECKPOINT_EVERY,
     STEPS,
@@ -29,8 +31,13 @@ def test_export_model_writes_the_merged_model_or_the_adapter_alone(tmp_path, uni
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    run = uninterrupted(NAME)
-    assert CHECKPOINT_EVERY not in published_versions(run.store)  # pruned: its only copy is the checkpoint
+    shared = uninterrupted(NAME)
+    # the learner keeps a kept checkpoint's version for its branches; in a copy of the run without it (as a
+    # replay, or a run made before, prunes it) the checkpoint is its only copy
+    run = RunPaths(tmp_path / NAME)
+    shutil.copytree(shared.root, run.root)
+    (run.root / "weights" / f"policy_{CHECKPOINT_EVERY:08d}.safetensors").unlink()
+    assert CHECKPOINT_EVERY not in published_versions(run.store)
     base_dir = tmp_path / "base"
     assert main(["export-model", str(run.root), str(base_dir), "--version", "0"]) == 0
     for version in (STEPS, CHECKPOINT_EVERY):
