@@ -57,6 +57,19 @@ def test_inspect_of_a_non_buffer_or_a_missing_path_says_so_in_one_line(tmp_path,
         assert err.strip().count("\n") == 0 and f"{missing} does not exist" in err, (command, err)
 
 
+def test_inspect_of_a_run_whose_first_start_wrote_only_its_holder_file_says_what_it_is(tmp_path, capsys):
+    """A ``run`` takes its directory (``run.lock``) first and writes ``settings.json`` after its checks:
+    between them, or killed there, the directory is a run not started, not a buffer that is not one."""
+    from rlhf_pipeline.files.run_paths import RunPaths
+    from rlhf_pipeline.runs.run_directory import hold_run_directory
+
+    with hold_run_directory(RunPaths(tmp_path / "r"), "run"):
+        assert main(["inspect", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "has not written its settings.json (only its run.lock" in err, err
+    assert "is not a replay buffer" not in err and f"or delete {tmp_path / 'r'}" in err
+
+
 def test_inspect_imports_no_torch(tmp_path):
     path = tmp_path / "buffer"
     with MemmapTrajectoryStore.create(path, segment_rows=8) as store:

@@ -39,6 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RUN_URL_SCHEMES
     from rlhf_pipeline.runs.lineage import (KeepsNoBuffer, buffer_of_run, format_lineage, is_run, run_lineage,
                                             run_store_at)
+    from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
     if args.vocab_size is not None and (args.vocab_size < 1 or not args.verify):
         raise CommandRefused(f"--vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify")
@@ -60,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
                     print(json.dumps({"run": lineage}) if args.json else format_lineage(lineage) + format_best(best))
                     return 0
                 path = run_buffer or f"{lineage['run']}/buffer"
+            elif run_store_at(path).exists(HOLDER_FILE):
+                raise CommandRefused(f"{path} holds a run whose first start has not written its settings.json (only its "
+                                     f"{HOLDER_FILE} is there): one is preparing it, or one stopped first; nothing was "
+                                     f"trained, so if none is running, run its command again, or delete {path}")
         except (ValueError, OSError) as exc:
             raise CommandRefused(str(exc)) from None
     with warnings.catch_warnings(record=True) as caught:

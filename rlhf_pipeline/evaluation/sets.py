@@ -72,13 +72,14 @@ class EvalSet:
         return items if max_prompts is None else items[:max_prompts]
 
 
-def check_sets(sets: Sequence[EvalSet] | None) -> list[EvalSet]:
+def check_sets(sets: Sequence[EvalSet] | None, otherwise: str = "") -> list[EvalSet]:
     """``sets`` (what the pipeline's ``eval_sets()`` returned; None: it declares none) as a list, refused
-    (ValueError naming it) when there are none, two share a name or one is not an EvalSet."""
+    (ValueError naming it) when there are none, two share a name or one is not an EvalSet. ``otherwise``:
+    the caller's other way out of a pipeline that declares none (", or leave eval.every_steps at 0")."""
     if sets is None:
         raise ValueError("the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
                          "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; "
-                         "docs/evaluation.md), or leave eval.every_steps at 0")
+                         f"docs/evaluation.md){otherwise}")
     if not sets:
         raise ValueError("the pipeline's eval_sets() returned no held-out set with these settings, so there is "
                          "nothing to evaluate (its settings' documentation may say which hold none out)")

@@ -31,7 +31,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
 
     stop = StopFlag("evaluator")
     settings = pipeline.settings.eval
-    sets = eval_sets_of(pipeline)
+    sets = eval_sets_of(pipeline, TURN_EVAL_OFF if versions is None else "")
     publish_every = pipeline.learner.publish_every
     log_at, store = paths.state_object(eval_metrics_path(paths.root))  # a run at a URL: its object store
     metrics = MetricsWriter(log_at, tensorboard_dir=paths.tensorboard / "eval", store=store,
@@ -106,7 +106,7 @@ def check_evaluation(pipeline: Pipeline) -> None:
     from rlhf_pipeline.evaluation.best import check_keep_best
 
     settings, metric = pipeline.settings.eval, pipeline.learner.keep_best
-    sets = eval_sets_of(pipeline) if settings.enabled else []
+    sets = eval_sets_of(pipeline, TURN_EVAL_OFF) if settings.enabled else []
     if metric is not None:
         try:
             check_keep_best(metric, sets, settings)
@@ -114,11 +114,15 @@ def check_evaluation(pipeline: Pipeline) -> None:
             raise PipelineError(str(exc)) from None
 
 
-def eval_sets_of(pipeline: Pipeline) -> list[Any]:
+TURN_EVAL_OFF = ", or leave eval.every_steps at 0"
+"""What a run that evaluates beside training may do instead of declaring held-out sets."""
+
+
+def eval_sets_of(pipeline: Pipeline, otherwise: str = "") -> list[Any]:
     """The pipeline's held-out sets, checked (``evaluation.sets.check_sets``), or PipelineError."""
     from rlhf_pipeline.evaluation.sets import check_sets
 
     try:
-        return check_sets(pipeline.eval_sets() if pipeline.eval_sets is not None else None)
+        return check_sets(pipeline.eval_sets() if pipeline.eval_sets is not None else None, otherwise)
     except ValueError as exc:
         raise PipelineError(str(exc)) from None

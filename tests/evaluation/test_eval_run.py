@@ -185,3 +185,19 @@ def test_eval_on_a_pipeline_without_held_out_sets_is_refused_before_anything_is_
         "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; docs/evaluation.md), or leave "
         "eval.every_steps at 0")
     assert not (tmp_path / "reverse_words" / "weights").exists()
+
+
+def test_eval_of_a_run_whose_pipeline_has_no_held_out_sets_names_only_what_eval_can_use(tmp_path, capsys):
+    """``eval RUN`` asks for held-out sets whatever ``eval.every_steps`` is: the run's refusal's "or leave
+    eval.every_steps at 0" is no way out there."""
+    ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run",
+                         str(REPO / "pipelines" / "examples" / "reverse_words.py"), "--steps", "1", "--home",
+                         str(tmp_path), "--set", "warm_start_steps=2"],
+                        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    result = command_here(capsys, "eval", str(tmp_path / "reverse_words"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines()[-1] == (
+        "rlhf-pipeline eval: error: the pipeline declares no held-out sets to evaluate: give its Pipeline eval_sets= "
+        "(a function returning rlhf_pipeline.evaluation.sets.EvalSet objects; docs/evaluation.md)")
+
