@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from rlhf_pipeline.coordination.pacing import read_intake
-from rlhf_pipeline.coordination.weights import load_weights, published_versions
+from rlhf_pipeline.coordination.weights import load_weights, published_versions, weights_for_branches
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
+from rlhf_pipeline.learn.checkpoint import run_checkpoints
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
@@ -211,6 +212,11 @@ def test_a_learner_killed_at_every_distance_from_its_checkpoint_resumes_as_if_ne
     assert {k: v[:shared] for k, v in a.items()} == {k: v[:shared] for k, v in b.items()}
 
     assert published_versions(killed.store)[-1] == published_versions(plain.store)[-1] == STEPS
+    # what a branch from each kept step samples with is kept through the kill and the resume
+    checkpoints = run_checkpoints(killed)
+    records = [checkpoints.record(step) for step in checkpoints.steps()]
+    assert records and all("held_versions" in record for record in records)
+    assert weights_for_branches(records, {}, STEPS) <= set(published_versions(killed.store))
     for version in set(published_versions(killed.store)) & set(published_versions(plain.store)):
         got, want = load_weights(killed.store, version)[0], load_weights(plain.store, version)[0]
         assert all(torch.equal(got[k], want[k]) for k in want), version
