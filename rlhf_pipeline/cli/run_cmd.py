@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
 
 # OS errors a user can cause and fix (a read-only or full disk, a path that is a file...):
 # one line naming the path instead of a traceback
-_USER_OS_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.ENOTDIR,
+_USER_OS_ERRORS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.ENOTDIR,
                    errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
 
 
@@ -118,6 +118,7 @@ def _describe_os_error(exc: OSError) -> str:
         errno.EPERM: "no permission; choose a --home you can write to, or fix its permissions",
         errno.ENOSPC: "the disk is full; free space (nothing written so far is lost) and rerun to resume",
         errno.EDQUOT: "the disk quota is exceeded; free space and rerun to resume",
+        errno.EFBIG: "a file size limit is exceeded (ulimit -f); raise it and rerun to resume",
         errno.ENOTDIR: "a part of this path is a file, not a directory; choose another --home or --run-name",
     }.get(exc.errno, "check the path, --home and --run-name")
     return f"{path}: {exc.strerror}; {hint}"

@@ -62,7 +62,7 @@ class MemmapAppending:
             self._seq += 1
             self._published_open_checksums = (None if self._tail_writer is None else
                                               (max(self._segments), self._tail_writer.written_sums()))
-        except BaseException:
+        except BaseException as exc:
             if self._publish_landed():
                 # interrupted (Ctrl-C) after the new state reached its slot: the rows are
                 # committed, and rolling the files back would cut published bytes
@@ -74,6 +74,10 @@ class MemmapAppending:
                 self._tail_writer.close()
                 self._tail_writer = None
             self._recover_tail()
+            if isinstance(exc, OSError) and exc.filename is None:
+                # a write to an open file (a full disk) names no path: the store's, so that a command says
+                # which disk to free in one line (cli/run_cmd.py) rather than a traceback
+                raise OSError(exc.errno, exc.strerror, self._location) from exc
             raise
         self._delete_expired_segments()
 
