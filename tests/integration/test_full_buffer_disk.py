@@ -1,0 +1,61 @@
+"""A run whose buffer's disk fills: the collector stops in one line naming its shard (not a traceback),
+the learner saves a checkpoint, and once there is room the same command resumes and finishes. The
+buffer is on a real tmpfs (mounting needs root: skipped without it), as a user puts a run's largest
+part on a disk of its own with a link."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import preloaded
+
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
+
+REPO = Path(__file__).resolve().parents[2]
+SETTINGS = ["warm_start_steps=20", "learner.checkpoint_every=100"]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def run(home: Path) -> subprocess.CompletedProcess:
+    sets = [word for item in SETTINGS for word in ("--set", item)]
+    return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", "pipelines/default.py", "--steps",
+                          "40", "--home", str(home), *sets], cwd=REPO, capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def test_a_full_buffer_disk_stops_the_collector_in_one_line_and_the_same_command_resumes(tmp_path, small_disk):
+    home = tmp_path / "home"
+    (home / "default").mkdir(parents=True)
+    (small_disk / "buffer").mkdir()
+    (home / "default" / "buffer").symlink_to(small_disk / "buffer")
+    filler = small_disk / "filler"
+    with open(filler, "wb") as out:  # room for a few rounds' rows only
+        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+        os.posix_fallocate(out.fileno(), 0, free - 256 * 1024)
+    stopped = run(home)
+    assert stopped.returncode == 2, stopped.stderr[-3000:]
+    assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]
+    shard = home / "default" / "buffer" / "shard-0000"
+    assert (f"rlhf-pipeline collect: error: {shard}: No space left on device; the disk is full; free space (nothing "
+            f"written so far is lost) and rerun to resume") in stopped.stderr.splitlines(), stopped.stderr[-3000:]
+    assert "[learner] stopped at step" in stopped.stderr and "checkpoint saved" in stopped.stderr
+    filler.unlink()
+    resumed = run(home)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "[learner] resuming from" in resumed.stderr and "[run] done: 40 learner steps" in resumed.stderr
