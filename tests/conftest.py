@@ -49,6 +49,23 @@ def s3_server():
     server.stop()
 
 
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real 8 MiB tmpfs (mounting needs root: skipped without it), unmounted afterwards: a disk that
+    fills (with ``fill`` in tests/helpers.py) without filling the machine's."""
+    import subprocess
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 @pytest.fixture()
 def s3_env(s3_server, tmp_path, monkeypatch):
     """The S3 server's AWS variables for child processes (returned) and for this process (set); the

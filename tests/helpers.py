@@ -460,3 +460,14 @@ def a_holder_that_dies_once_waited_on(renew: Callable[[], None], *, every_s: flo
         renewer.join()
         log.removeHandler(handler)
         log.setLevel(level)
+
+
+def fill(disk, leave_bytes: int):
+    """A file taking all of ``disk``'s free space but ``leave_bytes`` (``small_disk``, tests/conftest.py)."""
+    import os
+
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    filler = disk / "filler"
+    with open(filler, "wb") as out:
+        os.posix_fallocate(out.fileno(), 0, max(free - leave_bytes, 1))
+    return filler

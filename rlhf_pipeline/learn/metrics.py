@@ -9,6 +9,7 @@ reads either. Design: docs/learner.md#metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -66,8 +67,9 @@ class MetricsWriter:
         record.update({k: _plain(v) for k, v in metrics.items()})
         line = json.dumps(record) + "\n"
         if self._file is not None:
-            self._file.write(line)
-            self._file.flush()
+            with self._naming_the_log():
+                self._file.write(line)
+                self._file.flush()
         else:
             self._parts.append(line)
             if time.monotonic() - self._uploaded_at >= self._upload_every_s:
@@ -92,9 +94,21 @@ class MetricsWriter:
         if values:
             self._tb._get_file_writer().add_summary(Summary(value=values), step)
 
+    @contextlib.contextmanager
+    def _naming_the_log(self):
+        """A write to the open log that fails (a full disk) names no file: it names the log, so that a
+        command says which in one line (cli/run_cmd.py) rather than a traceback."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror, str(self.jsonl_path)) from exc
+
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
-            self._file.close()
+            with self._naming_the_log():  # what a failed write left in the file's buffer is written again
+                self._file.close()
         if self._store is not None:
             self.flush()
         if self._tb is not None:

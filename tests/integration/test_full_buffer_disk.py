@@ -1,7 +1,7 @@
 """A run whose buffer's disk fills: the collector stops in one line naming its shard (not a traceback),
 the learner saves a checkpoint, and once there is room the same command resumes and finishes. The
-buffer is on a real tmpfs (mounting needs root: skipped without it), as a user puts a run's largest
-part on a disk of its own with a link."""
+buffer is on a real tmpfs (``small_disk``), as a user puts a run's largest part on a disk of its own
+with a link."""
 
 from __future__ import annotations
 
@@ -11,25 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import fill
 import preloaded
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_torch_thread")]
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = ["warm_start_steps=20", "learner.checkpoint_every=100"]
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
 def run(home: Path) -> subprocess.CompletedProcess:
@@ -44,10 +32,7 @@ def test_a_full_buffer_disk_stops_the_collector_in_one_line_and_the_same_command
     (home / "default").mkdir(parents=True)
     (small_disk / "buffer").mkdir()
     (home / "default" / "buffer").symlink_to(small_disk / "buffer")
-    filler = small_disk / "filler"
-    with open(filler, "wb") as out:  # room for a few rounds' rows only
-        free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
-        os.posix_fallocate(out.fileno(), 0, free - 256 * 1024)
+    filler = fill(small_disk, leave_bytes=256 * 1024)  # room for a few rounds' rows only
     stopped = run(home)
     assert stopped.returncode == 2, stopped.stderr[-3000:]
     assert "Traceback" not in stopped.stderr, stopped.stderr[-3000:]

@@ -7,6 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from helpers import fill
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager, Progress, capture_rng_state, restore_rng_state
 from rlhf_pipeline.coordination.weights import WeightsPoller, latest_version, load_weights, publish_weights
@@ -119,33 +120,6 @@ def test_keep_every_must_not_be_negative(tmp_path):
 
 
 # ====================================================================== a full disk
-@pytest.fixture
-def small_disk(tmp_path):
-    """A real 8 MiB tmpfs (mounting needs root: skipped without it), unmounted afterwards."""
-    import subprocess
-
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(disk)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.decode().strip()}")
-    try:
-        yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=False)
-
-
-def fill(disk, leave_bytes: int):
-    """A file taking all of ``disk``'s free space but ``leave_bytes``."""
-    import os
-
-    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    filler = disk / "filler"
-    with open(filler, "wb") as out:
-        os.posix_fallocate(out.fileno(), 0, max(free - leave_bytes, 1))
-    return filler
-
-
 def test_a_full_disk_under_torch_save_is_the_os_error_naming_the_file(small_disk):
     """torch.save on a full disk raised `[enforce fail at inline_container.cc:672] unexpected pos`
     (a tensor written past Python's file buffer: the file's ENOSPC swallowed inside torch); now the

@@ -89,3 +89,22 @@ def test_a_resume_drops_a_torn_tail_whatever_its_bytes(tmp_path):
     truncate_metrics(log, after_step=2)
     assert [r["step"] for r in read_metrics(log)] == [1, 2]
     assert log.read_bytes().count(b"\n") == 2
+
+
+def test_a_full_disk_under_the_metrics_log_is_the_os_error_naming_it(small_disk):
+    """A write to the open log names no file; the command line names the path in one line (cli/run_cmd.py)."""
+    import errno
+
+    import pytest
+    from helpers import fill
+
+    writer = MetricsWriter(small_disk / "metrics.jsonl")
+    fill(small_disk, leave_bytes=0)
+    with pytest.raises(OSError) as failed:
+        for step in range(1, 100_000):
+            writer.log(step, {"loss": 0.5, "padding": "x" * 200})
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(small_disk / "metrics.jsonl")
+    with pytest.raises(OSError) as failed:  # what is left in the file's buffer: the same, named too
+        writer.close()
+    assert failed.value.filename == str(small_disk / "metrics.jsonl")
+
