@@ -27,6 +27,37 @@ UPLOAD_EVERY_S = 5.0
 
 
 # ====================================================================== writer
+@contextlib.contextmanager
+def naming(path: str | Path | None):
+    """A write to an open file that fails (a full disk) names no file: this names ``path`` (the log, the
+    TensorBoard directory), so that a command says which in one line (cli/run_cmd.py), not a traceback."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is not None or path is None:
+            raise
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
+
+
+def _quiet_tensorboard_writer_threads() -> None:
+    """TensorBoard writes events on a thread of its own, which ends on an OSError (a full disk) with
+    Python's traceback of it, then hands the error to the next write or close here, which names it.
+    The thread's traceback is left out: the error is said once, in one line."""
+    import threading
+
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__module__.startswith("tensorboard."):
+            return
+        previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
+
+
 class MetricsWriter:
     """Appends step metrics to ``metrics.jsonl`` and to TensorBoard event files.
 
@@ -61,13 +92,14 @@ class MetricsWriter:
             # event files' steps from there on (what truncate_metrics does for metrics.jsonl)
             purge = None if resumed_after is None else resumed_after + 1
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge)
+            _quiet_tensorboard_writer_threads()
 
     def log(self, step: int, metrics: Mapping[str, float]) -> None:
         record = {"step": step, "time": round(time.time(), 3)}
         record.update({k: _plain(v) for k, v in metrics.items()})
         line = json.dumps(record) + "\n"
         if self._file is not None:
-            with self._naming_the_log():
+            with naming(self.jsonl_path):
                 self._file.write(line)
                 self._file.flush()
         else:
@@ -75,7 +107,8 @@ class MetricsWriter:
             if time.monotonic() - self._uploaded_at >= self._upload_every_s:
                 self.flush()
         if self._tb is not None:
-            self._log_tensorboard(step, record)
+            with naming(self._tensorboard_dir):
+                self._log_tensorboard(step, record)
 
     def flush(self) -> None:
         """At a URL: every line logged so far is in the store when this returns."""
@@ -94,26 +127,16 @@ class MetricsWriter:
         if values:
             self._tb._get_file_writer().add_summary(Summary(value=values), step)
 
-    @contextlib.contextmanager
-    def _naming_the_log(self):
-        """A write to the open log that fails (a full disk) names no file: it names the log, so that a
-        command says which in one line (cli/run_cmd.py) rather than a traceback."""
-        try:
-            yield
-        except OSError as exc:
-            if exc.filename is not None:
-                raise
-            raise OSError(exc.errno, exc.strerror, str(self.jsonl_path)) from exc
-
     def close(self) -> None:
         if self._file is not None and not self._file.closed:
-            with self._naming_the_log():  # what a failed write left in the file's buffer is written again
+            with naming(self.jsonl_path):  # what a failed write left in the file's buffer is written again
                 self._file.close()
         if self._store is not None:
             self.flush()
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            with naming(self._tensorboard_dir):
+                tb.close()
             if self._store is not None:
                 for event_file in sorted(Path(self._tensorboard_dir).glob("*")):
                     if event_file.is_file():

@@ -108,3 +108,22 @@ def test_a_full_disk_under_the_metrics_log_is_the_os_error_naming_it(small_disk)
         writer.close()
     assert failed.value.filename == str(small_disk / "metrics.jsonl")
 
+
+def test_a_full_disk_under_tensorboard_is_one_os_error_naming_its_directory(tmp_path, small_disk, capfd):
+    """TensorBoard writes on a thread of its own, which printed its traceback before the learner's own."""
+    import errno
+
+    import pytest
+    from helpers import fill
+
+    writer = MetricsWriter(tmp_path / "metrics.jsonl", small_disk / "tensorboard")
+    fill(small_disk, leave_bytes=0)
+    with pytest.raises(OSError) as failed:
+        for step in range(1, 100_000):
+            writer.log(step, {f"metric_{i}": float(i) for i in range(50)})
+    assert failed.value.errno == errno.ENOSPC and failed.value.filename == str(small_disk / "tensorboard")
+    with pytest.raises(OSError) as failed:
+        writer.close()
+    assert failed.value.filename == str(small_disk / "tensorboard")
+    assert "Exception in thread" not in capfd.readouterr().err
+
