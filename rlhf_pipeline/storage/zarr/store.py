@@ -348,7 +348,10 @@ class ZarrTrajectoryStore(ZarrAppending, ZarrReading, SegmentedTrajectoryStore):
         except Exception as exc:  # noqa: BLE001 - the fragments stay published; the next writer seals them
             import logging
 
-            logging.getLogger(__name__).warning("%s", exc)
+            # said as what it is: a full disk's bare "[Errno 28] ... c.0" read as a second failure
+            logging.getLogger(__name__).warning(
+                "%s: merging the open segment's fragments at close failed (%s); they stay published and "
+                "readable, and the next writer merges them", self._location, exc)
         self._collector.wait()
         self._cache.clear()
         if self._watcher is not None:
