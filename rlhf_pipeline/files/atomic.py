@@ -4,18 +4,20 @@ Every small state file of a run (a store's manifest, pending groups, a collector
 checkpoints, published weights, ``settings.json``) goes through :func:`write_atomic` (``<name>.partial``,
 then ``os.replace``; ``durable`` adds the fsyncs); :func:`publish_json` and :func:`save_torch_atomic` wrap
 it, and :func:`write_all` is for code that writes with ``os.write`` and renames into place.
-:func:`why_unwritable` tells, before any work, whether a path could be written at all.
+:func:`why_unwritable` tells, before any work, whether a path could be written at all; :func:`named`
+(and :func:`naming`) make a failed write to an open file name its path, for a one-line error.
 
 Design: docs/pipelines.md#the-run-directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -87,6 +89,25 @@ def write_all(fd: int, data, path: str | os.PathLike) -> None:
         raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(path)) from None
 
 
+def named(exc: OSError, path: str | os.PathLike) -> OSError:
+    """``exc`` naming ``path`` when it names no file: a write to an open file that fails (a full disk) names
+    none, and a command's one-line error (cli/run_cmd.py) needs the path to say which disk to free."""
+    if exc.filename is not None:
+        return exc
+    error = OSError(exc.errno, exc.strerror or str(exc), os.fspath(path))
+    error.__cause__ = exc
+    return error
+
+
+@contextlib.contextmanager
+def naming(path: str | os.PathLike) -> Iterator[None]:
+    """Re-raises an ``OSError`` that names no file as one naming ``path`` (:func:`named`)."""
+    try:
+        yield
+    except OSError as exc:
+        raise named(exc, path)  # noqa: B904 - chained in named(), or exc itself
+
+
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *, durable: bool = True,
                  partial_name: str | None = None) -> Path:
     """Replaces ``path`` with what ``write(file)`` writes, atomically: the content goes to
@@ -113,9 +134,7 @@ def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None], *,
         os.replace(partial, path)
     except OSError as exc:
         partial.unlink(missing_ok=True)
-        if exc.filename is None:  # a failed write or flush says which file (a command's one-line error names it)
-            raise OSError(exc.errno, exc.strerror or str(exc), os.fspath(partial)) from exc
-        raise
+        raise named(exc, partial)  # noqa: B904 - a failed write or flush says which file (chained in named())
     except BaseException:
         partial.unlink(missing_ok=True)
         raise

@@ -26,7 +26,7 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
-from rlhf_pipeline.coordination.weights import HeldVersions, weights_for_branches
+from rlhf_pipeline.coordination.weights import HeldVersions, prune_versions, weights_for_branches
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
 from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints
@@ -581,8 +581,6 @@ class Learner:
         self._rewind_records = [r for r in self._rewind_records if r["step"] in kept and r["step"] != record["step"]]
         self._rewind_records.append(record)
         if released:
-            from rlhf_pipeline.coordination.weights import prune_versions
-
             prune_versions(self.paths.store, keep_versions=self._versions_kept(self.progress.policy_version),
                            listing=self._weights_listing)
 

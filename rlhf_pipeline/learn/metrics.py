@@ -9,7 +9,6 @@ reads either. Design: docs/learner.md#metrics.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from rlhf_pipeline.files.atomic import naming
 from rlhf_pipeline.files.log_parts import part_key, part_numbers, read_log_records
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 
@@ -27,18 +27,6 @@ UPLOAD_EVERY_S = 5.0
 
 
 # ====================================================================== writer
-@contextlib.contextmanager
-def naming(path: str | Path | None):
-    """A write to an open file that fails (a full disk) names no file: this names ``path`` (the log, the
-    TensorBoard directory), so that a command says which in one line (cli/run_cmd.py), not a traceback."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is not None or path is None:
-            raise
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
-
-
 def _quiet_tensorboard_writer_threads() -> None:
     """TensorBoard writes events on a thread of its own, which ends on an OSError (a full disk) with
     Python's traceback of it, then hands the error to the next write or close here, which names it.

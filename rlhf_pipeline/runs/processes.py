@@ -324,8 +324,7 @@ def _resumed_learner_version(paths: RunPaths) -> int | None:
     (``retract_versions_after``) and publishes those numbers again as it retrains. None when that
     cannot be told without torch (a checkpoint whose rewind record a crash kept from being written,
     or an older run that pruned its initial policy)."""
-    from rlhf_pipeline.coordination.weights import held_version
-    from rlhf_pipeline.coordination.weights import published_versions
+    from rlhf_pipeline.coordination.weights import held_version, published_versions
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
     checkpoints = run_checkpoints(paths)

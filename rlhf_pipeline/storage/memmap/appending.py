@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import shutil
 
+from rlhf_pipeline.files.atomic import named
 from rlhf_pipeline.schema import TrajectoryBatch
 from rlhf_pipeline.storage.memmap.layout import CHECKSUMS_NAME, MANIFEST_NAME
 from rlhf_pipeline.storage.memmap.segments import SegmentWriter, empty_segment
@@ -74,10 +75,8 @@ class MemmapAppending:
                 self._tail_writer.close()
                 self._tail_writer = None
             self._recover_tail()
-            if isinstance(exc, OSError) and exc.filename is None:
-                # a write to an open file (a full disk) names no path: the store's, so that a command says
-                # which disk to free in one line (cli/run_cmd.py) rather than a traceback
-                raise OSError(exc.errno, exc.strerror, self._location) from exc
+            if isinstance(exc, OSError):
+                raise named(exc, self._location)  # noqa: B904 - a write to an open file names none: the store
             raise
         self._delete_expired_segments()
 
