@@ -2,9 +2,7 @@
 
 The learner publishes ``<run>/weights/policy_XXXXXXXX.safetensors`` atomically with a version that
 follows its progress (a resumed learner retracts and republishes versions past its checkpoint);
-collectors poll with :class:`WeightsPoller`. Beside its newest versions the learner keeps those a
-branch from a kept step samples with (:func:`weights_for_branches`, from what the collectors held:
-:class:`HeldVersions`). Design: docs/architecture.md#published-weights.
+collectors poll with :class:`WeightsPoller`. Design: docs/architecture.md#published-weights.
 
 In a LoRA run (docs/lora.md) version 0 is the base's whole weights and every later version an adapter
 alone (``models/lora.py``). :func:`load_weights` gives any version as whole weights (an adapter merged
