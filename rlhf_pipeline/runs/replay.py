@@ -28,6 +28,7 @@ from rlhf_pipeline.pipeline import (
     make_settings,
     settings_to_json,
     split_override,
+    zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs.devices import check_cuda_device
 from rlhf_pipeline.runs.replay_options import ReplayOptions
@@ -49,14 +50,16 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
 
     options.check()
     module = load_pipeline_module(pipeline_path)
-    cli_overrides = list(overrides) + ([f"device={device}"] if device is not None else [])
+    paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
+    # recorded as a run at a URL records it, so a branch of this replay continued online keeps Zarr there
+    cli_overrides = zarr_where_the_buffer_is_a_url(
+        list(overrides) + ([f"device={device}"] if device is not None else []), run_at_a_url=paths.url is not None)
     settings = make_settings(module, cli_overrides)
     if list_settings:
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")
         print(describe_settings(settings))
         return 0
     check_cuda_device(settings.device)  # before torch is imported
-    paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
     if "buffer_backend" not in {split_override(item)[0] for item in cli_overrides}:
         # a replay keeps no buffer of its own: its buffer_backend is what its settings.json says (a branch of a
         # run at a URL says zarr, which that run took unless told), not the pipeline's default to be refused

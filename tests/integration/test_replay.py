@@ -466,6 +466,7 @@ def test_a_replay_at_a_url_keeps_its_state_there_and_trains_as_in_a_directory(ru
     assert "pacing.json" not in keys  # no collectors read it: no PUT of it per step
     assert list(tmp_path.iterdir()) == [tmp_path / "cache"]  # no s3: directory beside the command
     assert b'"buffer": "' + source.encode() + b'"' in store.read("settings.json")
+    assert json.loads(store.read("settings.json"))["buffer_backend"] == "zarr"  # as a run at a URL records it
 
     # the same replay in a local directory, in this process (its CLI start would only import torch again)
     replay_command(DEFAULT, ReplayOptions(buffer=source, **EPOCHS), home=str(tmp_path / "local"),
