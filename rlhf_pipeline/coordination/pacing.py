@@ -22,7 +22,6 @@ from rlhf_pipeline.files.run_store import RunStore, state_store_and_key
 from rlhf_pipeline.files.shard_names import shard_key_of
 
 FORMAT_VERSION = 2  # 2: ``next_version``, and in each ``recent`` draw
-PACING_FILE = "pacing.json"
 
 
 def shard_key(store_path: str | Path, buffer: str | Path) -> str:

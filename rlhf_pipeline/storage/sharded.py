@@ -75,8 +75,8 @@ class ShardedStoreReader(TrajectoryStore):
         ``REMOTE_REFRESH_THREADS`` at a URL, 1 (one after another) on a local file system.
         ``shards``: the buffer's listing (:func:`list_shards`) when the caller just made it: the first
         refresh does not list again. ``records``: shard name -> commit record, as another reader of
-        this buffer at a URL read them (its :meth:`published_records`): the reader opens in that view
-        (:meth:`adopt_records`), sending no request."""
+        this buffer at a URL read them (``learn.shard_rows.published_view``): the reader opens in that
+        view (:meth:`adopt_records`), sending no request."""
         super().__init__()
         self._path = str(location).rstrip("/") if is_url(location) else Path(location)
         self._open_options = open_options
@@ -230,14 +230,6 @@ class ShardedStoreReader(TrajectoryStore):
         return int(self._lengths.sum())
 
     # ================================================================ one refresh, several readers
-    def published_records(self) -> dict[str, dict[str, Any]] | None:
-        """Each open shard's commit record as of the last refresh, by shard name: what another reader
-        of the same buffer adopts (:meth:`adopt_records`) to hold exactly these rows without sending a
-        request. None for a local buffer or memmap shards: a local refresh costs an ``fstat`` per shard."""
-        if not is_url(self._path):
-            return None
-        return {self._names[index]: self._shards[index].published_record for index in self._order}
-
     def adopt_records(self, records: dict[str, dict[str, Any]]) -> None:
         """Takes ``records`` (shard name -> commit record, read by another reader's refresh of this
         buffer) as this reader's view: no LIST and no record GET. Shards not named keep the record
@@ -247,7 +239,7 @@ class ShardedStoreReader(TrajectoryStore):
         indices = {name: shard_index(name) for name in records}
         if None in indices.values() or len(set(indices.values())) < len(indices):
             raise ValueError(f"{self._path}: the records' keys {sorted(records)} are not the names of distinct "
-                             f"shards (shard-NNNN): pass a reader's published_records() as they are")
+                             f"shards (shard-NNNN): pass learn.shard_rows.published_view()'s records as they are")
         by_index = {indices[name]: record for name, record in records.items()}
         missing = [(index, join_shard(self._path, name)) for name, index in indices.items() if index not in self._shards]
         if missing:

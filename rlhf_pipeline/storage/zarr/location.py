@@ -183,7 +183,6 @@ def _sync_paths(root: Path, pending: Iterable[Pending]) -> None:
 class Location:
     kv: LocalKV | ZarrStoreKV
     local_root: Path | None  # set for local paths and file:// URLs: lock + atomic rename publish
-    writable_kind: bool  # False for zip files
 
 
 def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> Location:
@@ -202,7 +201,7 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
                 cloud = cloud_for(location)
                 raise NotAStoreError(f"cannot open {location} on {cloud.name} ({type(exc).__name__}: {exc}); "
                                      f"check its credentials and endpoint: {cloud.credentials_hint}") from None
-            return Location(kv, None, True)
+            return Location(kv, None)
         options = dict(storage_options or {})
         if location.startswith("file://"):
             options.setdefault("auto_mkdir", True)  # local fsspec does not create parents by itself
@@ -211,7 +210,7 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
         except Exception as exc:
             raise NotAStoreError(f"cannot open {location} through fsspec ({type(exc).__name__}: {exc})") from None
         local = Path(location.removeprefix("file://")) if location.startswith("file://") else None
-        return Location(ZarrStoreKV(store, read_only=read_only), local, True)
+        return Location(ZarrStoreKV(store, read_only=read_only), local)
     if location.endswith(".zip"):
         if not read_only:
             raise ReadOnlyStoreError(
@@ -227,8 +226,8 @@ def resolve(location: str, *, read_only: bool, storage_options: dict | None) -> 
             store = sync(ZipStore.open(location, mode="r"))
         except Exception as exc:
             raise NotAStoreError(f"{location} is not a replay buffer: not a readable zip file ({exc})") from None
-        return Location(ZarrStoreKV(store, read_only=True), None, False)
-    return Location(LocalKV(location, read_only=read_only), Path(location), True)
+        return Location(ZarrStoreKV(store, read_only=True), None)
+    return Location(LocalKV(location, read_only=read_only), Path(location))
 
 
 def parse_root(raw: bytes | dict | None, location: str, *, units_exist: bool = False) -> dict[str, Any]:
