@@ -43,6 +43,7 @@ def step_or_best(text: str) -> int | str:
 def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError
+    from rlhf_pipeline.files.state_files import StateFileError
     from rlhf_pipeline.runs.branch import BranchError, branch_run, main_message
     from rlhf_pipeline.runs.lineage import resolved_location
 
@@ -52,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         name = args.new_run.rstrip("/")
         new = args.new_run if "/" in name else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{name}"
         lineage = branch_run(parent, args.from_step, new, args.overrides)
-    except (BranchError, RunLocationError, RunStoreError) as exc:
+    except (BranchError, RunLocationError, RunStoreError, StateFileError) as exc:
         raise CommandRefused(str(exc)) from None
     main_message(resolved_location(new).rstrip("/"), lineage)
     return 0

@@ -104,9 +104,9 @@ def _evaluate(args: argparse.Namespace) -> int:
 
 def _run_device(paths) -> str:
     """The device the run was started with (its settings.json), where an owned vLLM engine runs."""
-    import json
+    from rlhf_pipeline.files.settings_history import saved_settings
 
-    return str(json.loads(paths.store.read(paths.key(paths.settings_file)) or b"{}").get("device") or "cpu")
+    return str((saved_settings(paths.store) or {}).get("device") or "cpu")
 
 
 def _print_stored(paths, sets, settings, versions, publish_every: int) -> None:

@@ -50,6 +50,6 @@ def run(args: argparse.Namespace) -> int:
         raise CommandRefused(str(exc), code=2 if isinstance(exc, SetupRefused) else 1) from None
     steps = ", ".join(report.steps_run) or "none (already set up)"
     print(f"vLLM environment ready at {report.path} ({report.versions}); steps run: {steps}; {report.seconds:.0f} s")
-    print(f"pipelines use it with --set generation.engine=vllm"
+    print("pipelines use it with --set generation.engine=vllm"
           + ("" if args.path is None else f" --set generation.python={report.python}"))
     return 0

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from rlhf_pipeline.files.machine_cache import MachineCache
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore, as_run_store
+from rlhf_pipeline.files.state_files import StateFileError, why_unreadable
 
 if TYPE_CHECKING:  # imported where used, so listing versions (export-model --list-versions) needs no torch
     import torch
@@ -219,9 +220,16 @@ def _as_published(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> d
     return PolicyAdapter.from_metadata(state, metadata) if is_adapter_metadata(metadata) else state
 
 
-def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
+def damaged_weights(where: str, exc: BaseException) -> StateFileError:
+    """The refusal of weights that cannot be read (``where``: their path or URL), naming what to do."""
+    return StateFileError(f"cannot read the published weights {where}: {why_unreadable(exc)}. The file is damaged or not weights "
+                          f"this library wrote; delete it (readers take the newest version left, and the learner "
+                          f"publishes the next)")
+
+
+def load_weights_file(path: str | Path, where: str | None = None) -> tuple[dict[str, torch.Tensor], int]:
     """``(state_dict, version)`` from one weight file of either format (a ``PolicyAdapter`` for an
-    adapter version)."""
+    adapter version); ``where``: what messages call it (default ``path``; a URL's object for a cached copy)."""
     path = Path(path)
     if path.suffix == LEGACY_SUFFIX:
         import torch
@@ -234,6 +242,8 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
     # prunes or takes back this version in between (a new file may even take its name) would leave a
     # failed or mixed read. Opened once here, the file is read through its descriptor (Linux's
     # /proc/self/fd): this version's bytes, whatever happens to the name
+    from safetensors import SafetensorError
+
     descriptor = os.open(path, os.O_RDONLY)  # FileNotFoundError when pruned already
     try:
         pinned = f"/proc/self/fd/{descriptor}"
@@ -244,6 +254,8 @@ def load_weights_file(path: str | Path) -> tuple[dict[str, torch.Tensor], int]:
             version = int(metadata.get("version") or (named.group(1) if named else -1))
             for name in weights.keys():
                 state[name] = weights.get_tensor(name)
+    except (SafetensorError, ValueError) as exc:
+        raise damaged_weights(where or str(path), exc) from None
     finally:
         os.close(descriptor)
     return _as_published(state, metadata), version
@@ -262,12 +274,16 @@ def _load_object(store: RunStore, name: str) -> tuple[dict[str, torch.Tensor], i
 
         payload = load_state_bytes(data, what="weights file", where=store.describe(f"{WEIGHTS}/{name}"))
         return payload["state_dict"], int(payload["version"])
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
-    (header_size,) = struct.unpack("<Q", data[:8])
-    metadata = json.loads(data[8:8 + header_size]).get("__metadata__") or {}
-    version = int(metadata.get("version") or (named.group(1) if named else -1))
-    return _as_published(load(data), metadata), version
+    try:
+        (header_size,) = struct.unpack("<Q", data[:8])
+        metadata = json.loads(data[8:8 + header_size]).get("__metadata__") or {}
+        version = int(metadata.get("version") or (named.group(1) if named else -1))
+        return _as_published(load(data), metadata), version
+    except (SafetensorError, struct.error, ValueError, AttributeError) as exc:  # AttributeError: a header not an object
+        raise damaged_weights(store.describe(f"{WEIGHTS}/{name}"), exc) from None
 
 
 def load_weights(run: Run, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
@@ -333,7 +349,8 @@ class WeightsPoller:
         if self.cache is None:
             state, version = _load_object(self.store, name)
         else:
-            state, version = load_weights_file(self.cache.fetch(self.store, f"{WEIGHTS}/{name}", etags[name]))
+            state, version = load_weights_file(self.cache.fetch(self.store, f"{WEIGHTS}/{name}", etags[name]),
+                                               where=self.store.describe(f"{WEIGHTS}/{name}"))
         return self._with_base(state, version), version
 
     def _with_base(self, state, version: int):

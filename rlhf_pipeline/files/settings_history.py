@@ -15,6 +15,7 @@ from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.files.state_files import StateFileError
 
+SETTINGS_KEY = "settings.json"
 HISTORY_KEY = "settings_history.json"
 HISTORY_FORMAT = 1
 NEWEST = 2**62  # a step past every step: what the latest start trains with
@@ -23,6 +24,21 @@ NEWEST = 2**62  # a step past every step: what the latest start trains with
 def trains_with(key: str) -> bool:
     """Whether the dotted setting ``key`` changes how steps are trained and a resume may change it."""
     return key.startswith("learner.") or key == "max_lag"
+
+
+def saved_settings(store: Any) -> dict[str, Any] | None:
+    """The run's ``settings.json`` (in ``store``); None when it has none. A file that is not a JSON object
+    (damaged, or edited by hand) is refused, naming it: a resume, a branch or an eval reading it could only
+    guess the settings the run was made with."""
+    raw = store.read(SETTINGS_KEY)
+    if raw is None:
+        return None
+    settings = json_object(raw)
+    if settings is None:
+        raise StateFileError(f"{store.describe(SETTINGS_KEY)} is damaged (not the settings JSON this library writes); "
+                             f"restore it from a copy, or delete it: the next start records the settings it is given "
+                             f"(and cannot check them against those the run was made with)")
+    return settings
 
 
 def settings_in_force(store: Any, saved: dict[str, Any], step: int) -> dict[str, Any]:

@@ -20,6 +20,12 @@ class StateFileError(ValueError):
     """A state file that cannot be loaded safely or at all; the message names it and the fix."""
 
 
+def why_unreadable(exc: BaseException) -> str:
+    """The first sentence of a reader's error, for a one-line refusal (torch's go on for a paragraph)."""
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return first.split(". ")[0].rstrip(".")
+
+
 def load_state(path: str | os.PathLike, *, what: str, legacy_numpy_arrays: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, with errors that say what to do.
 
@@ -49,7 +55,7 @@ def load_state(path: str | os.PathLike, *, what: str, legacy_numpy_arrays: bool 
         if isinstance(exc, OSError) and not path.exists():
             raise
         raise StateFileError(
-            f"cannot read the {what} {path}: {str(exc).splitlines()[0]}. The file is damaged or "
+            f"cannot read the {what} {path}: {why_unreadable(exc)}. The file is damaged or "
             f"not a torch file; delete it (a learner resumes from its previous checkpoint)"
         ) from None
 
@@ -76,7 +82,7 @@ def load_state_bytes(data: bytes, *, what: str, where: str, legacy_numpy_arrays:
         ) from None
     except (RuntimeError, EOFError, OSError) as exc:
         raise StateFileError(
-            f"cannot read the {what} {where}: {str(exc).splitlines()[0]}. The object is damaged or not a torch "
+            f"cannot read the {what} {where}: {why_unreadable(exc)}. The object is damaged or not a torch "
             f"file; delete it (a learner resumes from its previous checkpoint)"
         ) from None
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object, why_unwritable
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
-from rlhf_pipeline.files.settings_history import flat_settings, set_dotted, settings_in_force
+from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError
 from rlhf_pipeline.pipeline import split_override
 from rlhf_pipeline.runs.lineage import (
@@ -75,11 +75,10 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
                           f"a run wrote, e.g. storage/<run-name> or s3://BUCKET/runs/<run-name>")
     if (half_made := half_made_branch(parent_paths)) is not None:
         raise BranchError(half_made)
-    saved_text = source.read("settings.json")
-    if saved_text is None:
+    saved = saved_settings(source)
+    if saved is None:
         raise BranchError(f"{parent_at} has no settings.json: a branch takes its parent's settings; give a run "
                           f"a run or a replay made")
-    saved = json.loads(saved_text)
     from rlhf_pipeline.learn.checkpoint import run_best, run_checkpoints
     from rlhf_pipeline.learn.keep_best import NoBestCheckpoint
 

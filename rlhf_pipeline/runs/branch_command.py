@@ -11,10 +11,10 @@ record its ``settings.json`` keeps. Design: docs/branching.md#the-command.
 
 from __future__ import annotations
 
-import json
 import shlex
 from typing import Any
 
+from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.runs.lineage import PARENT_ROWS
 
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
@@ -68,10 +68,9 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
 
     local = paths.url is None and not (paths.root / "pipeline_modules").exists()
     pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
-    saved = paths.store.read("settings.json")
-    if saved is None:
+    settings = saved_settings(paths.store)
+    if settings is None:
         raise ValueError(f"{paths.location} keeps no settings.json")
-    settings = json.loads(saved)
     recorded = recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
     sets = [word for item in recorded for word in ("--set", item)]
     replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET

@@ -6,13 +6,13 @@ again). ``docs/branching.md#continuing-online``.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
 from typing import Any
 
 from rlhf_pipeline.files.run_store import state_store_and_key
+from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.runs.run_directory import RunError
 from rlhf_pipeline.storage.continues import continued_rows, write_continued_rows
 
@@ -46,8 +46,8 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
     reached = run_checkpoints(paths).latest_step()
     if reached is not None and reached > int(lineage["step"]):
         raise refuse(f"it was continued offline already (it has a checkpoint of step {reached})")
-    saved = parent.store.read("settings.json")
-    parent_buffer = str(json.loads(saved or b"{}").get("buffer_url") or parent.buffer_location).rstrip("/")
+    saved = saved_settings(parent.store)
+    parent_buffer = str((saved or {}).get("buffer_url") or parent.buffer_location).rstrip("/")
     if saved is None and not parent.store.list("buffer"):
         raise refuse(f"its parent's buffer ({parent_buffer}) is not there")
     try:

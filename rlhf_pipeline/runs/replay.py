@@ -20,6 +20,7 @@ from typing import Any
 
 from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_paths
 from rlhf_pipeline.files.run_store import StaleWriterError
+from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.pipeline import (
     PipelineError,
     RunPaths,
@@ -63,7 +64,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     if "buffer_backend" not in {split_override(item)[0] for item in cli_overrides}:
         # a replay keeps no buffer of its own: its buffer_backend is what its settings.json says (a branch of a
         # run at a URL says zarr, which that run took unless told), not the pipeline's default to be refused
-        recorded_backend = (_saved_settings(paths) or {}).get("buffer_backend")
+        recorded_backend = (saved_settings(paths.store) or {}).get("buffer_backend")
         if recorded_backend not in (None, getattr(settings, "buffer_backend", recorded_backend)):
             cli_overrides.append(f"buffer_backend={recorded_backend}")
             settings = make_settings(module, cli_overrides)
@@ -286,17 +287,12 @@ def _replay_record(options: ReplayOptions, source: str, store, rows: int, steps:
 
 
 # ====================================================================== run directory
-def _saved_settings(paths: RunPaths) -> dict[str, Any] | None:
-    text = paths.store.read(paths.key(paths.settings_file))
-    return None if text is None else json.loads(text)
-
-
 def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
     """The replay record of a resumed replay; None for a new one, or for a branch of a run with
     collectors replayed for the first time (its settings are its parent's, ``runs/branch.py``)."""
     from rlhf_pipeline.runs.branch import offline_branch_of
 
-    saved = _saved_settings(paths)
+    saved = saved_settings(paths.store)
     if saved is None or ("replay" not in saved and offline_branch_of(paths) is not None):
         return None
     if "replay" not in saved:
@@ -328,7 +324,7 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
 
     set_threads(pipeline)  # before the warm start, as `run` does: it and the training steps use them
     with run_lock(paths):
-        saved = _saved_settings(paths)
+        saved = saved_settings(paths.store)
         # None: a new replay, or a branch's first (_saved_replay refused any other run without one)
         recorded = None if saved is None else saved.pop("replay", None)
         if record["seed"] is None:

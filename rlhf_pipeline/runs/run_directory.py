@@ -24,7 +24,7 @@ from typing import Any
 from rlhf_pipeline.files.atomic import fsync_dir, why_unwritable
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR
 from rlhf_pipeline.files.run_store import StaleWriterError
-from rlhf_pipeline.files.settings_history import record_resume, settings_in_force
+from rlhf_pipeline.files.settings_history import record_resume, saved_settings, settings_in_force
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
 from rlhf_pipeline.runs.setting_changes import settings_changes
@@ -233,18 +233,17 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         store, key = paths.store, paths.key(paths.settings_file)
-        saved_text = store.read(key)
-        if saved_text is None:
+        saved = saved_settings(store)
+        if saved is None:
             text = json.dumps(current, indent=2, sort_keys=True).encode()
             try:
                 store.create(key, text, partial_name=paths.settings_file.name + ".partial")
             except StaleWriterError:  # a start on another machine wrote it meanwhile: compare with that
-                saved_text = store.read(key)
-        if saved_text is not None:
+                saved = saved_settings(store)
+        if saved is not None:
             from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
             resumed_from = run_checkpoints(paths).latest_step() or 0  # the checkpoint the learner trains on from
-            saved = json.loads(saved_text)
             in_force = settings_in_force(store, saved, resumed_from)
             changed = settings_changes(in_force, pipeline.settings, tag="[run]",
                                        since=f"step {resumed_from}" if resumed_from else "the run started")

@@ -27,7 +27,11 @@ def test_rows_are_valid_grouped_and_uniquely_identified(tiny):
     sunk = []
     collector = _collector(model, tok, sink=into(sunk), index=3)
     batches = [collector.collect() for _ in range(2)]
-    assert [len(b) for b in sunk] == [12, 12] and sunk[0] is batches[0]
+    # the sink has each round's rows in group order, whole groups a call: one call a round, or more when
+    # its groups end apart (our loop answers each request once its rows stopped, so the timing decides)
+    assert all(len(b) % 4 == 0 for b in sunk) and sum(len(b) for b in sunk) == 24
+    assert torch.cat([b["trajectory_id"] for b in sunk]).tolist() == \
+        torch.cat([b["trajectory_id"] for b in batches]).tolist()
     for batch in batches:
         validate_batch(batch, StoreSchema())  # every required field, right dtypes and lengths
     groups = torch.cat([b["group_id"] for b in batches])

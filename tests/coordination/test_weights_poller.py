@@ -117,3 +117,29 @@ def test_loading_a_version_taken_back_after_the_listing_says_it_is_not_there(run
     store = LearnerRetractsAfterTheNextListing(run, checkpointed=3)
     with pytest.raises(FileNotFoundError):
         load_published(store, 4)
+
+
+@pytest.mark.parametrize("run_home, cached", [("local", False), ("s3", False), ("s3", True)],
+                         ids=["local", "s3", "s3-machine-cache"], indirect=["run_home"])
+def test_damaged_published_weights_are_refused_naming_the_file_and_the_way_out(run_home, tmp_path, cached):
+    """A weights file cut short (a disk fault, a copy interrupted by hand) was a safetensors traceback in
+    the collector; it is one refusal naming the file, wherever the run lives and however it is read."""
+    from rlhf_pipeline.files.machine_cache import MachineCache
+    from rlhf_pipeline.files.run_paths import run_paths
+    from rlhf_pipeline.files.state_files import StateFileError
+
+    store = run_paths("damaged", run_home).store
+    for version in range(2):
+        publish_weights(store, state(version), version)
+    key = "weights/policy_00000001.safetensors"
+    whole = store.read(key)
+    for cut in (whole[:4], whole[:50], whole[:-8], b"\0" * len(whole)):
+        store.write(key, cut)
+        poller = WeightsPoller(store, cache=MachineCache(tmp_path / f"cache-{len(cut)}") if cached else None)
+        with pytest.raises(StateFileError) as refused:
+            poller.poll()
+        message = str(refused.value)
+        assert message.startswith(f"cannot read the published weights {store.describe(key)}: "), message
+        assert "damaged" in message and "delete it" in message and "\n" not in message
+    store.delete(key)  # the way out it names: the newest version left
+    assert WeightsPoller(store).poll()[1] == 0

@@ -6,7 +6,7 @@ import pytest
 
 from rlhf_pipeline.files.run_store import LocalRunStore
 from rlhf_pipeline.files.state_files import StateFileError
-from rlhf_pipeline.files.settings_history import HISTORY_KEY, record_resume, settings_in_force
+from rlhf_pipeline.files.settings_history import HISTORY_KEY, SETTINGS_KEY, record_resume, saved_settings, settings_in_force
 
 STARTED = {"seed": 3, "max_lag": 1, "learner": {"lr": 3e-4, "batch_size": 16, "loss": {"kl_coef": 0.0}}}
 
@@ -108,3 +108,14 @@ def test_the_best_checkpoints_rule_is_the_one_the_latest_start_trains_with(tmp_p
     assert recorded_keep_best(store).metric == "eval/math/pass@1"
     store.write(HISTORY_KEY, b"damaged")
     assert recorded_keep_best(store) is None
+
+
+@pytest.mark.parametrize("damaged", [b'{"seed": 3, ', b"[3]", b"\xff\xfe", b""])
+def test_saved_settings_are_the_json_object_a_start_wrote_or_refused_naming_the_file(tmp_path, damaged):
+    store = LocalRunStore(tmp_path)
+    assert saved_settings(store) is None  # no run made yet
+    store.write(SETTINGS_KEY, json.dumps(STARTED).encode())
+    assert saved_settings(store) == STARTED
+    store.write(SETTINGS_KEY, damaged)
+    with pytest.raises(StateFileError, match=rf"{tmp_path / SETTINGS_KEY} is damaged.*restore it from a copy"):
+        saved_settings(store)

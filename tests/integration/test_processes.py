@@ -98,6 +98,27 @@ def test_a_second_collector_with_a_live_ones_index_is_refused_in_one_line(tmp_pa
     assert "Traceback" not in err and re.search(r"collect: error: .*shard-0000.*manifest.json", err), err
 
 
+def test_a_damaged_settings_json_is_refused_in_one_line_by_each_command_that_reads_it(tmp_path, capsys):
+    """``settings.json`` cut short, or edited into something else, was a JSONDecodeError traceback from
+    the learner's start (and from ``branch`` and a resumed replay); each refuses in one line naming the
+    file and the way out, and changes nothing in the run."""
+    run = tmp_path / "damaged"
+    run.mkdir()
+    damaged = b'{"steps": 300, '
+    (run / "settings.json").write_bytes(damaged)
+    home = ["--home", str(tmp_path)]
+    for argv in (["learn", DEFAULT, *home, "--run-name", "damaged", *SMALL, "--steps", "1"],
+                 ["branch", "damaged", *home, "--from-step", "2", "child"],
+                 ["replay", DEFAULT, *home, "--run-name", "damaged", "--buffer", str(tmp_path / "any"), "--steps", "1"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if not line.startswith("[")]  # a start's own log lines
+        assert "Traceback" not in err and len(lines) == 1, err
+        assert f"{run / 'settings.json'} is damaged" in lines[0], lines
+        assert "restore it from a copy, or delete it" in lines[0], lines
+    assert (run / "settings.json").read_bytes() == damaged and not (tmp_path / "child").exists()
+
+
 def test_single_store_buffers_of_older_runs_keep_one_collector(tmp_path):
     """A run made before shards keeps ``buffer/`` as one store and ``collector/state.pt``."""
     from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
