@@ -71,7 +71,9 @@ class PositionHistory:
         return None if data is None else self._decode(data, self._key(next_row))
 
     def _decode(self, data: bytes, key: str) -> dict[str, Any]:
-        published = writer_states.decode(data, self._store.describe(key))
+        published = writer_states.decode(data, self._store.describe(key), remedy=(
+            "a branch cannot then continue online from the step it was kept for: branch from another kept step, "
+            "or continue offline with rlhf-pipeline replay"))
         committed = dict(published["writer"] or {})
         loop = dict(committed.pop("runner", None) or {})
         pending = sum(int(p["rows"]["group_id"].numel()) for p in published["write_path"]

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import struct
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,64 +29,61 @@ def why_unreadable(exc: BaseException) -> str:
     return first.split(". ")[0].rstrip(".")
 
 
-def load_state(path: str | os.PathLike, *, what: str, legacy_numpy_arrays: bool = False) -> Any:
+CHECKPOINT_REMEDY = "a learner resumes from its previous checkpoint"
+# what torch's reader raises on bytes cut short or overwritten (found by damaging state files at random)
+_DAMAGED = (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, struct.error)
+
+
+def load_state(path: str | os.PathLike, *, what: str, remedy: str = CHECKPOINT_REMEDY,
+               legacy_numpy_arrays: bool = False) -> Any:
     """``torch.load(path, weights_only=True)`` on the CPU, with errors that say what to do.
 
-    ``what`` names the file in messages ("learner checkpoint", "collector position"). A refused file
-    raises :class:`StateFileError` naming the file, what it holds that we never write, and what to do.
-    ``legacy_numpy_arrays=True`` (learner checkpoints written before format 2, which hold NumPy's RNG
-    state as an array) lets exactly the NumPy array and dtype types through, whose unpickling builds
-    plain arrays and runs nothing else, and only when nothing else in the file needs unpickling.
+    ``what`` names the file in messages ("learner checkpoint", "writer state"); ``remedy`` is what
+    deleting a damaged one leaves. A refused file raises :class:`StateFileError` naming the file, what
+    it holds that we never write, and what to do. ``legacy_numpy_arrays=True`` (learner checkpoints
+    written before format 2, which hold NumPy's RNG state as an array) lets exactly the NumPy array and
+    dtype types through, whose unpickling builds plain arrays and runs nothing else, and only when
+    nothing else in the file needs unpickling.
     """
-    import torch
-
     path = Path(path)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        unsafe = _unsafe_globals(path)
-        if legacy_numpy_arrays and unsafe and set(unsafe) <= set(_numpy_array_types()):
-            with torch.serialization.safe_globals(list(_numpy_array_types().values())):
-                return torch.load(path, map_location="cpu", weights_only=True)
-        found = ", ".join(unsafe) if unsafe else "objects other than tensors and plain values"
-        raise StateFileError(
-            f"refusing to load the {what} {path}: it holds {found}, which could run code when loaded "
-            f"and which rlhf_pipeline never writes. Find out who wrote it (anyone who can write to "
-            f"{path.parent}), then delete it; a learner resumes from its previous checkpoint"
-        ) from None
-    except (RuntimeError, EOFError, OSError) as exc:
-        if isinstance(exc, OSError) and not path.exists():
-            raise
-        raise StateFileError(
-            f"cannot read the {what} {path}: {why_unreadable(exc)}. The file is damaged or "
-            f"not a torch file; delete it (a learner resumes from its previous checkpoint)"
-        ) from None
+    return _load(lambda: path, what=what, where=str(path), writers=f"anyone who can write to {path.parent}",
+                 remedy=remedy, legacy_numpy_arrays=legacy_numpy_arrays, gone=lambda: not path.exists())
 
 
-def load_state_bytes(data: bytes, *, what: str, where: str, legacy_numpy_arrays: bool = False) -> Any:
+def load_state_bytes(data: bytes, *, what: str, where: str, remedy: str = CHECKPOINT_REMEDY,
+                     legacy_numpy_arrays: bool = False) -> Any:
     """:func:`load_state` of a state object read from a URL (``where`` names it in messages):
     the same ``weights_only`` load, the same refusals."""
     import io
 
+    return _load(lambda: io.BytesIO(data), what=what, where=where, writers="anyone who can write to that location",
+                 remedy=remedy, legacy_numpy_arrays=legacy_numpy_arrays, gone=lambda: False)
+
+
+def _load(source: Callable[[], Any], *, what: str, where: str, writers: str, remedy: str, legacy_numpy_arrays: bool,
+          gone: Callable[[], bool]) -> Any:
     import torch
 
     try:
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        with warnings.catch_warnings():  # torch's note on the pickle protocol it read in damaged bytes
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")
+            return torch.load(source(), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
-        unsafe = _unsafe_globals(io.BytesIO(data))
+        unsafe = _unsafe_globals(source())
         if legacy_numpy_arrays and unsafe and set(unsafe) <= set(_numpy_array_types()):
             with torch.serialization.safe_globals(list(_numpy_array_types().values())):
-                return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+                return torch.load(source(), map_location="cpu", weights_only=True)
         found = ", ".join(unsafe) if unsafe else "objects other than tensors and plain values"
         raise StateFileError(
             f"refusing to load the {what} {where}: it holds {found}, which could run code when loaded and which "
-            f"rlhf_pipeline never writes. Find out who wrote it (anyone who can write to that location), then "
-            f"delete it; a learner resumes from its previous checkpoint"
+            f"rlhf_pipeline never writes. Find out who wrote it ({writers}), then delete it; {remedy}"
         ) from None
-    except (RuntimeError, EOFError, OSError) as exc:
+    except _DAMAGED as exc:
+        if isinstance(exc, OSError) and gone():
+            raise
         raise StateFileError(
-            f"cannot read the {what} {where}: {why_unreadable(exc)}. The object is damaged or not a torch "
-            f"file; delete it (a learner resumes from its previous checkpoint)"
+            f"cannot read the {what} {where}: {why_unreadable(exc)}. It is damaged or not a torch file; "
+            f"delete it ({remedy})"
         ) from None
 
 

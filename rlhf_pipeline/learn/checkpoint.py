@@ -159,6 +159,12 @@ class CheckpointManager:
         data = json_object(self._store.read(self._key(_record_name(step))))
         return data if data is not None and data.get("step") == step else None
 
+    def damaged_record(self, step: int) -> str | None:
+        """Where the rewind record of ``step`` is, when it is there but not one this library wrote
+        (:meth:`record` gives None for it as for none); else None."""
+        key = self._key(_record_name(step))
+        return self._store.describe(key) if self._store.exists(key) and self.record(step) is None else None
+
     def rewind_points(self) -> list[dict[str, Any]]:
         """Each kept checkpoint's rewind record, oldest first (``{"step": N}`` alone where it has none)."""
         return [self.record(step) or {"step": step} for step in self.steps()]

@@ -304,6 +304,12 @@ def _refuse_parent_rows(parent: RunPaths, buffer: str, lineage: dict[str, Any], 
         raise BranchError(f"{parent.location} is a branch continued online: its rows are partly its parent's, and "
                           f"branching it is not there yet; branch its parent ({grandparent}) instead")
     if lineage["buffer_rows"] is None and not parent.store.exists(PARENT_ROWS_MANIFEST):
+        from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+        if (damaged := run_checkpoints(parent).damaged_record(step)) is not None:
+            raise BranchError(f"the rewind record of the checkpoint of step {step} of {parent.location} ({damaged}) "
+                              f"is damaged: which of its rows were published at that step is not known; restore it "
+                              f"from a copy, or branch from another kept step")
         raise BranchError(f"the checkpoint of step {step} of {parent.location} has no rewind record (a run made "
                           f"before records): which of its rows were published at that step is not known; branch "
                           f"from a later step")

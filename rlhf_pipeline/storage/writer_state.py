@@ -31,11 +31,12 @@ def encode(writer: Mapping[str, Any] | None, write_path: list[Any]) -> bytes:
     return buffer.getvalue()
 
 
-def decode(data: bytes | None, where: str) -> dict[str, Any] | None:
-    """``{"writer": ..., "write_path": [...]}`` of published ``writer_state`` bytes (None: none)."""
+def decode(data: bytes | None, where: str, **remedy: str) -> dict[str, Any] | None:
+    """``{"writer": ..., "write_path": [...]}`` of published ``writer_state`` bytes (None: none);
+    ``remedy=``: what deleting damaged ones leaves (:func:`~rlhf_pipeline.files.state_files.load_state_bytes`)."""
     if data is None:
         return None
-    payload = load_state_bytes(data, what="writer state", where=where)
+    payload = load_state_bytes(data, what="writer state", where=where, **remedy)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"the writer state published in {where} is not format {FORMAT} "
                          f"(found {payload.get('format') if isinstance(payload, dict) else type(payload).__name__})")

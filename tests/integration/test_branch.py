@@ -464,6 +464,36 @@ def test_a_run_resumed_with_another_learning_rate_records_it_once_for_its_branch
     assert not (tmp_path / "refused").exists()
 
 
+def test_a_damaged_rewind_record_or_collector_state_is_refused_in_one_line_naming_it(online_parent, tmp_path, capsys):
+    """The two files a branch continued online starts from, damaged: a checkpoint's rewind record (it read
+    as "no rewind record (a run made before records)") and the collector's state kept for the step's
+    rows (a struct.error traceback from `run`). Each is refused in one line naming the file."""
+    import shutil
+
+    parent = tmp_path / "parent"
+    shutil.copytree(online_parent, parent, ignore=shutil.ignore_patterns("tensorboard", "run.lock"))
+    record = parent / "checkpoints" / "step_00000004.json"
+    rows = json.loads(record.read_text())["buffer_rows"]["shard-0000"]
+    kept = record.read_bytes()
+    record.write_text('{"step": 4, ')
+    assert main(["branch", str(parent), "--from-step", "4", "refused"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"the rewind record of the checkpoint of step 4 of {parent} ({record}) is damaged" in err, err
+    assert len(err.splitlines()) == 1 and not (tmp_path / "refused").exists()
+
+    record.write_bytes(kept)
+    state = parent / "collector" / "shard-0000.history" / f"row_{rows:012d}.pt"
+    state.write_bytes(state.read_bytes()[:-100])
+    assert main(["branch", str(parent), "--from-step", "4", "online"]) == 0
+    capsys.readouterr()
+    branch = tmp_path / "online"
+    assert main(["run", str(branch / "pipeline.py"), "--home", str(tmp_path), "--run-name", "online",
+                 "--steps", "6"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"cannot read the writer state {state}: " in err and "branch from another kept step" in err, err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if not line.startswith("[")]) == 1
+
+
 def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_parent, tmp_path, monkeypatch,
                                                                       capsys):
     """What ``run pipelines/default.py`` made is ``default`` to every command that takes a run (only
