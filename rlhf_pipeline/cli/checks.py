@@ -4,8 +4,9 @@ Design: docs/architecture.md#the-command-line.
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.files.atomic import why_unwritable
@@ -54,6 +55,32 @@ def buffer_given(location: str, command: str) -> str:
         return location
     print(f"[{command}] {location} is a run: its buffer {run_buffer}", file=sys.stderr, flush=True)
     return run_buffer
+
+
+HOME_HELP = ("directory holding run directories, or an s3:// or az:// URL holding runs, for a run given by its "
+             "name (default: storage/ in the repo, or $RLHF_PIPELINE_HOME)")
+
+
+def add_run_argument(parser: argparse.ArgumentParser, dest: str, **options: Any) -> None:
+    """A positional that names a run, a buffer or a file (``add_argument``'s ``options``), and ``--home``
+    beside it: a bare name is a run under the home, resolved by :func:`resolve_run_arguments` once the
+    whole command line is parsed (``--home`` may come after it)."""
+    parser.add_argument(dest, **options)
+    parser.set_defaults(_run_arguments=[*(parser.get_default("_run_arguments") or []), dest])
+    try:
+        parser.add_argument("--home", default=None, help=HOME_HELP)
+    except argparse.ArgumentError:  # a second run argument of the same command
+        pass
+
+
+def resolve_run_arguments(args: argparse.Namespace) -> None:
+    """Each argument :func:`add_run_argument` added, as :func:`run_or_path` resolves it under ``args.home``."""
+    for dest in getattr(args, "_run_arguments", ()):
+        value = getattr(args, dest)
+        if isinstance(value, list):
+            setattr(args, dest, [run_or_path(item, args.home) for item in value])
+        elif value is not None:
+            setattr(args, dest, run_or_path(value, args.home))
 
 
 def run_or_path(text: str, home: str | None = None, what: str = "") -> str:

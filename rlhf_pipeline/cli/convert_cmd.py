@@ -14,11 +14,11 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import buffer_given, run_or_path, writable_output
+from rlhf_pipeline.cli.checks import add_run_argument, buffer_given, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("src", type=run_or_path,
+    add_run_argument(parser, "src",
                         help="existing buffer: memmap directory, Zarr store (.zip or URL), a directory of "
                              "shard-NNNN stores, or a run (its directory, URL or name): its buffer")
     parser.add_argument("dst", help="where to create the new buffer (must not exist)")

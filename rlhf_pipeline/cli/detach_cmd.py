@@ -11,11 +11,11 @@ import argparse
 import sys
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import add_run_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("branch", type=run_or_path, metavar="BRANCH",
+    add_run_argument(parser, "branch", metavar="BRANCH",
                         help="the branch: a run directory, its name or its s3:// or az:// URL, made by rlhf-pipeline "
                              "branch")
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import add_run_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("run_dir", type=run_or_path, metavar="RUN",
+    add_run_argument(parser, "run_dir", metavar="RUN",
                         help="the run directory (holds settings.json, weights/, checkpoints/), a run's URL (s3://..., "
-                             "az://...), or a run's name under $RLHF_PIPELINE_HOME or storage/")
+                             "az://...), or a run's name under --home")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--step", type=int, default=None, metavar="N",
                        help="the policy of learner step N, from a kept checkpoint or published weights")

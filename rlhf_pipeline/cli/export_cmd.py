@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import add_run_argument
 
 
 # the optional packages each export format writes with (dataio/export.py), and its name in an error
@@ -21,7 +21,7 @@ FORMAT_NAMES = {"parquet": "Parquet", "hf": "a Hugging Face dataset"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("buffer", type=run_or_path,
+    add_run_argument(parser, "buffer",
                         help="a store (memmap directory, Zarr store), a run's buffer/ of shards, or a run (its "
                              "directory, URL or name): its buffer")
     parser.add_argument("out", help="file (jsonl, parquet) or directory (hf) to write; must not exist")

@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path, writable_output
+from rlhf_pipeline.cli.checks import add_run_argument, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("run_dir", type=run_or_path,
+    add_run_argument(parser, "run_dir",
                         help="the run directory (holds settings.json, weights/, checkpoints/), a run's name, or a run at "
                              "an s3:// or az:// URL (only the version exported is read)")
     parser.add_argument("out", nargs="?", metavar="OUT",

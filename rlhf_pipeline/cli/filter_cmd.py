@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import add_run_argument
 
 EXAMPLES = """examples:
   rlhf-pipeline filter storage/run/buffer storage/informative --where 'group_reward_std > 0'
@@ -25,7 +25,7 @@ EXAMPLES = """examples:
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.epilog = EXAMPLES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("src", nargs="?", type=run_or_path,
+    add_run_argument(parser, "src", nargs="?",
                         help="the buffer to read: a store, a run's buffer/ of shards, a saved selection, or a "
                              "run (its directory, URL or name): its buffer")
     parser.add_argument("dst", nargs="?", help="where to write the result (must not exist)")

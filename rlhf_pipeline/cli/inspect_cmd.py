@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import add_run_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", type=run_or_path,
+    add_run_argument(parser, "path",
                         help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores; or a "
                              "run directory or a run's name (its rewind points, parent and branches, then its buffer)")
     parser.add_argument("--json", action="store_true", help="print one JSON object (a list with --verify)")

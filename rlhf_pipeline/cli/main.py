@@ -16,6 +16,7 @@ import sys
 
 from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.bench_cmd import BENCHMARKS  # names only: the benchmarks load when one is run
+from rlhf_pipeline.cli.checks import resolve_run_arguments
 from rlhf_pipeline.files.run_store import RunStoreError  # no torch: the run store's base and errors
 from rlhf_pipeline.learn.errors import CheckpointRefused, NonFiniteStep  # no torch: errors only
 from rlhf_pipeline.storage.errors import StoreClosedError, StoreError  # no torch: errors only
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
         args = build_parser().parse_args(argv)
-    except CommandRefused as exc:  # an argument's own check, as argparse's `type` (cli/checks.py: run_or_path)
+        resolve_run_arguments(args)
+    except CommandRefused as exc:  # an argument's own check (cli/checks.py: run_or_path)
         command = next((word for word in argv if not word.startswith("-")), "")
         print(f"rlhf-pipeline {command}: error: {exc}", file=sys.stderr)
         return exc.code

@@ -11,11 +11,11 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path, writable_output
+from rlhf_pipeline.cli.checks import add_run_argument, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("runs", type=run_or_path, nargs="+", metavar="RUN_DIR",
+    add_run_argument(parser, "runs", nargs="+", metavar="RUN_DIR",
                         help="run directories or runs' names, runs at s3:// or az:// URLs (copied into the local cache), or "
                              "metrics.jsonl files")
     parser.add_argument("--out", required=True, help="directory for the PNG files")

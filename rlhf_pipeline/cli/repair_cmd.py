@@ -13,11 +13,11 @@ import argparse
 from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import add_run_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
-    parser.add_argument("path", type=run_or_path,
+    add_run_argument(parser, "path",
                         help="the buffer: a memmap directory, a Zarr store, or a directory of shard-NNNN stores; a Zarr "
                              "store or a prefix of shards may be an s3:// or az:// URL; or a run directory or a run's "
                              "name (its buffer/, its token ids checked against its model)")

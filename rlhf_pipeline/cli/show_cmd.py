@@ -15,7 +15,7 @@ import argparse
 from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path, writable_output
+from rlhf_pipeline.cli.checks import add_run_argument, writable_output
 
 EXAMPLES = """examples:
   rlhf-pipeline show storage/tool_use                          # the newest trajectory of a run
@@ -27,7 +27,7 @@ EXAMPLES = """examples:
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.epilog = EXAMPLES
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.add_argument("buffer", type=run_or_path,
+    add_run_argument(parser, "buffer",
                         help="a run directory or a run's name, its buffer, a memmap or Zarr store, or a saved selection")
     which = parser.add_mutually_exclusive_group()
     which.add_argument("--trajectory", type=int, metavar="ID", help="the trajectory id to show")

@@ -534,6 +534,17 @@ def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_par
                        f"{home} ($RLHF_PIPELINE_HOME or storage/)\n"), err
     assert not any(elsewhere.iterdir())  # nothing was made where the commands ran
 
+    # --home names the home as `run --home` did, before or after the name, for every command taking a run
+    monkeypatch.delenv("RLHF_PIPELINE_HOME")
+    for argv in (["inspect", "parent", "--home", str(home)], ["export-model", "--home", str(home), "parent",
+                                                               "--list-versions"],
+                 ["plot", "parent", "by-name", "--home", str(home), "--out", str(tmp_path / "charts")]):
+        assert main(argv) == 0, capsys.readouterr().err
+    assert f"run  {home / 'parent'}" in capsys.readouterr().out and (tmp_path / "charts" / "overview.png").is_file()
+    assert main(["inspect", "nosuch", "--home", str(home)]) == 2
+    assert capsys.readouterr().err == (f"rlhf-pipeline inspect: error: nosuch does not exist, and no run of that name "
+                                       f"is under {home} (--home {home})\n")
+
 
 # ============================================================ a branch killed midway
 def test_a_branch_killed_midway_whose_step_is_pruned_is_listed_then_removed_by_its_refused_rerun(tmp_path, capsys):
