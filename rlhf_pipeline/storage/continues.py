@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
+from rlhf_pipeline.files.run_store import LocalRunStore, RunStore
 from rlhf_pipeline.storage.errors import StoreCorruptedError
 
 CONTINUES_SUFFIX = ".continues.json"
@@ -26,12 +27,16 @@ def continues_file(buffer: str | Path) -> Path:
     return buffer.with_name(buffer.name + CONTINUES_SUFFIX)
 
 
-def _object(buffer: str, storage_options: dict[str, Any] | None = None) -> tuple[Any, str]:
-    """The run store holding ``buffer``'s continues object at a URL, and its key there."""
-    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+def _store_and_key(buffer: str | Path, storage_options: dict[str, Any] | None = None) -> tuple[RunStore, str]:
+    """The run store beside ``buffer`` (its directory's parent, or the URL prefix holding it) and the
+    key of its continues object there."""
+    if "://" in str(buffer):
+        from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
-    home, _, name = str(buffer).rstrip("/").rpartition("/")
-    return ObjectRunStore(home, storage_options=storage_options), name + CONTINUES_SUFFIX
+        home, _, name = str(buffer).rstrip("/").rpartition("/")
+        return ObjectRunStore(home, storage_options=storage_options), name + CONTINUES_SUFFIX
+    where = continues_file(buffer)
+    return LocalRunStore(where.parent), where.name
 
 
 def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = None) -> dict[str, Any] | None:
@@ -45,30 +50,19 @@ def continued_rows(buffer: str | Path, storage_options: dict[str, Any] | None = 
             return None  # file://, a zip...: runs (and so branches) live at s3:// and az:// URLs only
         if "/" not in str(buffer).split("://", 1)[1].strip("/"):
             return None  # a whole bucket: no run holds it, nothing beside it
-        store, key = _object(str(buffer), storage_options)
-        raw, where = store.read(key), store.describe(key)
-        if raw is None:
-            return None
-    else:
-        where = continues_file(buffer)
-        try:
-            raw = where.read_bytes()
-        except (FileNotFoundError, NotADirectoryError):
-            return None
+    store, key = _store_and_key(buffer, storage_options)
+    raw = store.read(key)
+    if raw is None:
+        return None
     data = json_object(raw)
     if data is None or "parent_buffer" not in data or not isinstance(data.get("rows"), dict):
-        raise StoreCorruptedError(f"{where} is damaged (no 'parent_buffer' and 'rows'); "
+        raise StoreCorruptedError(f"{store.describe(key)} is damaged (no 'parent_buffer' and 'rows'); "
                                   f"it was written when the branch first ran online: restore it")
     return data
 
 
 def write_continued_rows(buffer: str | Path, parent_buffer: str, rows: dict[str, int]) -> None:
-    text = json.dumps({"format": CONTINUES_FORMAT, "parent_buffer": str(parent_buffer),
-                       "rows": {str(k): int(v) for k, v in rows.items()}}, indent=2, sort_keys=True).encode()
-    if "://" in str(buffer):
-        store, key = _object(str(buffer))
-        store.write(key, text, fence=False)  # one PUT: there or not
-        return
-    from rlhf_pipeline.files.atomic import write_atomic
-
-    write_atomic(continues_file(buffer), lambda f: f.write(text))
+    store, key = _store_and_key(buffer)
+    store.write(key, json.dumps({"format": CONTINUES_FORMAT, "parent_buffer": str(parent_buffer),
+                                 "rows": {str(k): int(v) for k, v in rows.items()}}, indent=2, sort_keys=True).encode(),
+                fence=False)  # at a URL one PUT: there or not
