@@ -52,12 +52,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {installed_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.commands = {}  # each command's own parser, by name (parse_command_line)
     for name, (module_name, help_text) in COMMANDS.items():
         command_parser = sub.add_parser(name, help=help_text, description=help_text)
         module = importlib.import_module(module_name)
         module.add_arguments(command_parser, name)
         command_parser.set_defaults(_module=module_name)
+        parser.commands[name] = command_parser
     return parser
+
+
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """``argv`` parsed, a command's options anywhere among its positionals (``export-model RUN --home DIR
+    OUT``: plain argparse takes ``OUT`` for an unrecognized argument once an option splits the positionals)."""
+    parser = build_parser()
+    command = next(iter(argv), None)
+    if command not in parser.commands:
+        return parser.parse_args(argv)  # --help, --version, a typo: argparse's own answers
+    try:
+        args = parser.commands[command].parse_intermixed_args(argv[1:])
+    except TypeError:  # a command with sub-commands of its own (bench), which intermixed parsing cannot take
+        return parser.parse_args(argv)
+    args.command = command
+    return args
 
 
 def installed_version() -> str:
@@ -73,7 +90,7 @@ def installed_version() -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_command_line(argv)
         resolve_run_arguments(args)
     except CommandRefused as exc:  # an argument's own check (cli/checks.py: run_or_path)
         command = next((word for word in argv if not word.startswith("-")), "")

@@ -541,6 +541,9 @@ def test_a_run_is_named_by_its_name_under_the_home_from_any_directory(online_par
                  ["plot", "parent", "by-name", "--home", str(home), "--out", str(tmp_path / "charts")]):
         assert main(argv) == 0, capsys.readouterr().err
     assert f"run  {home / 'parent'}" in capsys.readouterr().out and (tmp_path / "charts" / "overview.png").is_file()
+    # an option between two positionals (plain argparse took OUT for an unrecognized argument)
+    assert main(["export-model", "parent", "--home", str(home), str(tmp_path / "exported")]) == 0
+    assert (tmp_path / "exported" / "config.json").is_file(), capsys.readouterr().err
     assert main(["inspect", "nosuch", "--home", str(home)]) == 2
     assert capsys.readouterr().err == (f"rlhf-pipeline inspect: error: nosuch does not exist, and no run of that name "
                                        f"is under {home} (--home {home})\n")
