@@ -264,6 +264,21 @@ def zarr_where_the_buffer_is_a_url(overrides: Sequence[str], *, run_at_a_url: bo
 
 
 # ====================================================================== --set
+def with_flags(overrides: Sequence[str], **flags: object) -> list[str]:
+    """``overrides`` and the flags given (``--steps N`` is ``--set steps=N``; None: not given); a flag and
+    a ``--set`` of its setting that disagree are refused, naming both, where the later one silently won."""
+    given = dict(split_override(item) for item in overrides)
+    combined = list(overrides)
+    for name, value in flags.items():
+        if value is None:
+            continue
+        if name in given and given[name] != str(value):
+            raise PipelineError(f"--{name} {value} and --set {name}={given[name]} disagree (--{name} sets {name}): "
+                                f"give one of them")
+        combined.append(f"{name}={value}")
+    return combined
+
+
 def split_override(item: str) -> tuple[str, str]:
     """``(key, value)`` of one ``--set key=value``, each stripped; PipelineError for anything else."""
     key, equals, raw = (part.strip() for part in item.partition("="))

@@ -41,8 +41,13 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
     (["inspect", ".", "--vocab-size", "0"], "--vocab-size 0: give a vocabulary size >= 1, with --verify"),
     (["repair", ".", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
     (["convert", "no-such-buffer", "out", "--to", "zarr"], "no-such-buffer does not exist"),
+    # a flag and the --set of its setting: the one given later silently won
+    (["run", "default.py", "--steps", "3000", "--set", "steps=320"],
+     "--steps 3000 and --set steps=320 disagree (--steps sets steps): give one of them"),
+    (["learn", "default.py", "--set", "device=cuda", "--device", "cpu"],
+     "--device cpu and --set device=cuda disagree (--device sets device): give one of them"),
 ], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "inspect", "repair",
-        "convert"])
+        "convert", "run-steps-twice", "learn-device-twice"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own
     # line without "error:"

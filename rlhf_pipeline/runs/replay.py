@@ -29,6 +29,7 @@ from rlhf_pipeline.pipeline import (
     make_settings,
     settings_to_json,
     split_override,
+    with_flags,
     zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs.devices import check_cuda_device
@@ -54,7 +55,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
     # recorded as a run at a URL records it, so a branch of this replay continued online keeps Zarr there
     cli_overrides = zarr_where_the_buffer_is_a_url(
-        list(overrides) + ([f"device={device}"] if device is not None else []), run_at_a_url=paths.url is not None)
+        with_flags(overrides, device=device), run_at_a_url=paths.url is not None)
     settings = make_settings(module, cli_overrides)
     if list_settings:
         print(f"settings of {pipeline_path} (change with --set KEY=VALUE):")

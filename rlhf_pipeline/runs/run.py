@@ -21,6 +21,7 @@ from rlhf_pipeline.pipeline import (
     describe_settings,
     load_pipeline_module,
     make_settings,
+    with_flags,
     zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs.devices import check_cuda_device
@@ -72,12 +73,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         raise PipelineError(f"--collector-index must be >= 0, got {collector_index}")
     if steps is not None and steps < 1:  # before anything is written, as `replay` refuses it
         raise PipelineError(f"--steps must be >= 1, got {steps}")
+    cli_overrides = with_flags(overrides, steps=steps if command != "collect" else None, device=device)
     module = load_pipeline_module(pipeline_path)
-    cli_overrides = list(overrides)
-    if steps is not None and command != "collect":
-        cli_overrides.append(f"steps={steps}")
-    if device is not None:
-        cli_overrides.append(f"device={device}")
     paths = run_paths(run_name or Path(pipeline_path).stem, home)
     # each child (and Ray actor) is given these: a run at a URL keeps a Zarr buffer there unless told
     cli_overrides = zarr_where_the_buffer_is_a_url(cli_overrides, run_at_a_url=paths.url is not None)
