@@ -46,8 +46,10 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--steps 3000 and --set steps=320 disagree (--steps sets steps): give one of them"),
     (["learn", "default.py", "--set", "device=cuda", "--device", "cpu"],
      "--device cpu and --set device=cuda disagree (--device sets device): give one of them"),
+    (["replay", "default.py", "--buffer", ".", "--set", "steps=3"],
+     "--set steps: a replay's length is --steps N (or --epochs N); give that instead"),
 ], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "inspect", "repair",
-        "convert", "run-steps-twice", "learn-device-twice"])
+        "convert", "run-steps-twice", "learn-device-twice", "replay-set-steps"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own
     # line without "error:"

@@ -51,6 +51,8 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     """``stop_fd``: a rank's end of its launcher's stop pipe (``_train_on_ranks``)."""
 
     options.check()
+    if "steps" in {split_override(item)[0] for item in overrides}:  # the replay's own length set it, silently
+        raise ReplayError("--set steps: a replay's length is --steps N (or --epochs N); give that instead")
     module = load_pipeline_module(pipeline_path)
     paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
     # recorded as a run at a URL records it, so a branch of this replay continued online keeps Zarr there
