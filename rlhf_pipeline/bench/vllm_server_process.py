@@ -10,12 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rlhf_pipeline.generation.vllm_process import (
-    ServerProcess,
-    engine_environment,
-    free_port,
-    server_command,
-)
+from rlhf_pipeline.generation.vllm_process import ServerProcess, engine_environment, server_command
+from rlhf_pipeline.processes import free_port
 
 START_TIMEOUT_S = 900.0
 """Server to healthy took 30 s on an idle 2-core machine and 146 s at load 10-16 (docs/generation.md)."""

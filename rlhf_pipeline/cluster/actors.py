@@ -261,7 +261,7 @@ class LearnerActor:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0's address and a free port for the process group (``MASTER_ADDR`` / ``MASTER_PORT``)."""
-        from rlhf_pipeline.runs.launch import free_port
+        from rlhf_pipeline.processes import free_port
 
         return ray.util.get_node_ip_address(), free_port("")
 

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
-from rlhf_pipeline.generation.vllm_process import free_port
+from rlhf_pipeline.processes import free_port
 from rlhf_pipeline.generation.vllm_setup import check_nccl_device
 
 

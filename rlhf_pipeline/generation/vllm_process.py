@@ -12,7 +12,6 @@ import errno
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,26 +19,11 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from rlhf_pipeline.processes import exit_status, free_port
+
 WORKER_EXTENSION = "rlhf_pipeline.generation.vllm_worker.PublishedWeightsLoader"
 SCRATCH_PREFIX = "rlhf-vllm-"
 LOG_TAIL_CHARS = 3000
-
-
-def exit_status(returncode: int | None) -> str:
-    """``exit code 1``, or ``killed by SIGKILL`` for a process a signal ended."""
-    if returncode is not None and returncode < 0:
-        try:
-            return f"killed by {signal.Signals(-returncode).name}"
-        except ValueError:
-            pass
-    return f"exit code {returncode}"
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 MAX_SOCKET_PATH = 107  # bytes of a Unix socket's path (sun_path, less its terminating NUL) on Linux

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from rlhf_pipeline.processes import exit_status, free_port
 from rlhf_pipeline.runs.forking import COMMAND_MODULE, ChildSpec, can_fork_children, fork_children
 
 GO = "go"
@@ -45,10 +46,19 @@ def evaluator_argv(run_location: str, overrides: Sequence[str]) -> list[str]:
     return argv
 
 
+def how_it_ended(code: int) -> str:
+    """How a child process ended, for a launcher's line: its exit code, and where to look. A signal's
+    death (a negative code) leaves no error of its own: a kill -9, or the kernel's out-of-memory killer."""
+    if code < 0:
+        return (f"was {exit_status(code)}, leaving no error of its own (a kill -9, or the kernel's out-of-memory "
+                f"killer: see `dmesg`)")
+    return f"{exit_status(code)}; see its error above"
+
+
 def evaluator_exited(code: int, run_location: str, *, training_done: bool = False) -> str:
     """What ``run`` says, once, when its evaluator exits early: training goes on (or has ended)."""
     went_on = "training had ended" if training_done else "training goes on without it"
-    return (f"[run] the evaluator exited (exit code {code}; its error is above); {went_on}, "
+    return (f"[run] the evaluator ended early ({how_it_ended(code)}); {went_on}, "
             f"and `rlhf-pipeline eval {run_location}` evaluates the kept versions")
 
 
@@ -73,16 +83,6 @@ def wait_for_launcher(command: str, *, prepares: bool = False) -> bool:
         return prepares or sys.stdin.readline().strip() == GO
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the launcher reports it
         return False
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port on ``host`` nothing listens on now: the learner ranks' rendezvous ("" for every
-    interface, when ranks on other machines connect)."""
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return probe.getsockname()[1]
 
 
 def rank_environments(world_size: int) -> list[dict[str, str]]:

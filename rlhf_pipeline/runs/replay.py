@@ -164,7 +164,9 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
         return 128 + signals.received[0]
     if failed:
         rank, code = failed[0]
-        raise ReplayError(f"data-parallel rank {rank} of the replay failed (exit code {code}); see its error above")
+        from rlhf_pipeline.runs.launch import how_it_ended
+
+        raise ReplayError(f"data-parallel rank {rank} of the replay failed ({how_it_ended(code)})")
     return 0
 
 

@@ -190,13 +190,13 @@ def check_settings(module: Any, settings: Any) -> None:
 def wait_for_preparation(children: Any) -> None:
     """Launcher side of :func:`prepare_for_launcher`: lets the collectors go once the run directory
     exists, returns once weights version 0 is published; raises the learner's error as ``run``'s."""
-    from rlhf_pipeline.runs.launch import ERROR, PREPARED, READY
+    from rlhf_pipeline.runs.launch import ERROR, PREPARED, READY, how_it_ended
 
     for event in (PREPARED, READY):
         report = children.wait_for_learner(event)
         if report is None:
             code = children.learner.wait()
-            raise RunError(f"the learner exited while preparing the run (exit code {code}); see its error above")
+            raise RunError(f"the learner ended while preparing the run ({how_it_ended(code)})")
         if report["event"] == ERROR:
             raise _learner_error(report)
         if event == PREPARED:
@@ -266,7 +266,7 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
 # ====================================================================== both
 def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[[], bool] = lambda: False) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
-    from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S, evaluator_exited, stop_ranks
+    from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S, evaluator_exited, how_it_ended, stop_ranks
 
     collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     evaluator, evaluator_said = children.evaluator, False
@@ -298,8 +298,8 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 # a collector died: stop the learner (it checkpoints) and the other collectors
                 stop_children(stop_write, processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
-                raise RunError(f"{name} exited early (exit code {code}); see its error above. The learner "
-                               f"saved a checkpoint: once the cause is fixed, the same command resumes the run")
+                raise RunError(f"{name} ended early ({how_it_ended(code)}). The learner saved a checkpoint: "
+                               f"once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
             stop_children(stop_write, processes, signals)
@@ -330,8 +330,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
               f"resume {paths.location}", file=sys.stderr, flush=True)
         return 128 + signum
     if learner_code != 0:
-        raise RunError(f"the learner failed (exit code {learner_code}); see its error above")
-    names = ", ".join(f"collector {k} (exit code {c})" for k, c in failed.items())
-    raise RunError(f"{names} failed; see the error above")
+        raise RunError(f"the learner failed ({how_it_ended(learner_code)})")
+    raise RunError("; ".join(f"collector {k} failed ({how_it_ended(c)})" for k, c in failed.items()))
 
 

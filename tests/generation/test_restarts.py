@@ -9,7 +9,7 @@ import pytest
 from rlhf_pipeline.generation import EngineDied, EngineFailed
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.generation.vllm_http import MAX_RESTART_DELAY_S, Retries
-from rlhf_pipeline.generation.vllm_process import exit_status
+from rlhf_pipeline.processes import exit_status
 
 DIED = EngineDied("the vLLM engine died: its process exited (killed by SIGKILL) while sample; its log ends:\nOOM",
                   cause="its process exited (killed by SIGKILL) while sample")

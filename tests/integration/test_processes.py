@@ -213,7 +213,7 @@ def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_re
                             stderr=subprocess.STDOUT, text=True)
     out = kill_when(first, lambda: (run / "metrics.jsonl").exists() and len(read_metrics(run / "metrics.jsonl")) >= 3,
                     victims=lambda: run_child_pids("collect-1", str(run.parent), "crash"), timeout=240)
-    assert first.returncode != 0 and "collector 1 exited early" in out, out[-3000:]
+    assert first.returncode != 0 and "collector 1 ended early (was killed by SIGKILL" in out, out[-3000:]
     stopped_at = read_metrics(run / "metrics.jsonl")[-1]["step"]
 
     resumed = preloaded.run([*command, "--steps", str(stopped_at + 3)], cwd=REPO, capture_output=True,
@@ -456,7 +456,8 @@ def test_processes_killed_at_a_url_resume_exactly(run_home, tmp_path):
         assert started.returncode != 0, out[-3000:]
         if done:  # a start after a kill
             assert f"[learner] resuming from {run_url}/checkpoints/step_" in out, out[-3000:]
-        assert ("the learner failed" if side == "learn" else "the collector exited early") in out, out[-3000:]
+        assert ("the learner failed" if side == "learn" else "the collector ended early") in out, out[-3000:]
+        assert "was killed by SIGKILL" in out, out[-3000:]
         done = len(logged(run_url))
     shard0 = spread_shard_name(0)
     keys = set(run_store_at(run_url).walk())
