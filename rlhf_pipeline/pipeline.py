@@ -19,6 +19,7 @@ import importlib.util
 import inspect
 import sys
 import textwrap
+import traceback
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -212,15 +213,12 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     except SyntaxError as exc:  # the file's own mistake: where it is, not the import machinery's frames
         sys.modules.pop(module_name, None)
         raise PipelineError(_describe_syntax_error(exc, path)) from None
-    except ModuleNotFoundError as exc:
+    except Exception as exc:
         sys.modules.pop(module_name, None)
-        if exc.name in MOVED_MODULES:  # a pipeline file (or a run's copy of one) written before a move
+        if isinstance(exc, ModuleNotFoundError) and exc.name in MOVED_MODULES:  # written before a move
             raise PipelineError(f"{path} imports {exc.name}, which moved: import from {MOVED_MODULES[exc.name]} "
                                 f"instead") from None
-        raise
-    except Exception:
-        sys.modules.pop(module_name, None)
-        raise
+        raise PipelineError(_describe_load_error(exc, path)) from exc
     settings_cls = getattr(module, "Settings", None)
     if settings_cls is None or not dataclasses.is_dataclass(settings_cls) or not issubclass(settings_cls, RunSettings):
         raise PipelineError(f"{path} must define `Settings`, a @dataclass subclassing "
@@ -228,6 +226,19 @@ def load_pipeline_module(path: str | Path) -> types.ModuleType:
     if not callable(getattr(module, "build", None)):
         raise PipelineError(f"{path} must define `build(settings, run) -> Pipeline`")
     return module
+
+
+def _describe_load_error(exc: Exception, path: Path) -> str:
+    """``path:LINE: ModuleNotFoundError: ...``: the line of the pipeline file that raised while it was
+    loaded, and where the error came from when that is deeper (a module it imports)."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    own = [frame for frame in frames if Path(frame.filename).resolve() == path.resolve()]
+    where = f"{path}:{own[-1].lineno}" if own else str(path)
+    deeper = frames[-1] if frames and (not own or frames[-1] is not own[-1]) else None
+    origin = f" (raised in {deeper.filename}:{deeper.lineno})" if deeper is not None else ""
+    hint = (f"; is it installed in this Python ({sys.executable})?"
+            if isinstance(exc, ModuleNotFoundError) else "")
+    return f"{where}: {type(exc).__name__}: {exc}{origin}, while the pipeline file was loaded{hint}"
 
 
 def _describe_syntax_error(exc: SyntaxError, path: Path) -> str:

@@ -156,6 +156,26 @@ def test_a_syntax_error_in_a_pipeline_file_is_one_line_naming_the_place_and_exit
     assert not (tmp_path / "home").exists()
 
 
+@pytest.mark.parametrize("body, line, words", [
+    ("import os\nimport no_such_module_here\n", 2,
+     "ModuleNotFoundError: No module named 'no_such_module_here', while the pipeline file was loaded; is it "
+     "installed in this Python"),
+    ("import json\n\nSETS = json.loads('{')\n", 3, "JSONDecodeError: Expecting property name"),
+], ids=["missing-module", "raised-deeper"])
+def test_a_pipeline_file_that_raises_while_loaded_is_one_line_naming_its_line(tmp_path, capsys, body, line, words):
+    """It was a traceback through the import machinery; the line says where in the file, and where the
+    error came from when a module it called raised it."""
+    from rlhf_pipeline.cli.main import main
+
+    path = tmp_path / "mine.py"
+    path.write_text(body)
+    assert main(["run", str(path), "--home", str(tmp_path / "home")]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"rlhf-pipeline run: error: {path}:{line}: ") and said.count("\n") == 1, said
+    assert words in said and ("raised in " in said) == (line == 3), said
+    assert not (tmp_path / "home").exists()
+
+
 def test_cli_reports_unknown_setting_before_any_work(tmp_path):
     result = preloaded.run(
         [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(DEFAULT), "--home", str(tmp_path),

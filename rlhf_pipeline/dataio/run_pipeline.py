@@ -11,7 +11,6 @@ Design: docs/pipelines.md#the-run-directory.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import types
 import typing
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.run_paths import is_url
+from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.files.shard_names import shard_index
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, load_pipeline_module
 
@@ -54,24 +54,25 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
     paths = run_root if isinstance(run_root, RunPaths) else RunPaths.at(
         run_root if is_url(str(run_root)) else Path(run_root).resolve())
     store = paths.store
-    settings_text = store.read(paths.key(paths.settings_file))
-    if settings_text is None:
+    saved = saved_settings(store)
+    if saved is None:
         raise PipelineError(f"{paths.location} is not a run directory: it has no settings.json")
     try:
         module = load_pipeline_module(pipeline_path) if pipeline_path is not None else load_copy(
             paths, missing=" (runs started before this was recorded); pass --pipeline PIPELINE.py, the file the run "
                            "was started with")
-        saved = json.loads(settings_text)
         settings = settings_from_json(module, saved)
         if device is not None:
             settings = dataclasses.replace(settings, device=device)
         return build_pipeline(module, settings, paths)
-    except ModuleNotFoundError as exc:
-        if pipeline_path is not None or exc.name is None:
+    except (ModuleNotFoundError, PipelineError) as exc:
+        # the copy's own imports (loading it) or its build()'s
+        missing = exc if isinstance(exc, ModuleNotFoundError) else exc.__cause__
+        if pipeline_path is not None or not isinstance(missing, ModuleNotFoundError) or missing.name is None:
             raise
         raise PipelineError(
             f"the run's copy of its pipeline file ({paths.store.describe(paths.key(paths.pipeline_file))}) imports "
-            f"{exc.name!r}, which is neither installed here nor kept by the run (runs started before runs kept the "
+            f"{missing.name!r}, which is neither installed here nor kept by the run (runs started before runs kept the "
             f"modules beside the pipeline file have only pipeline.py): install it, or pass --pipeline PIPELINE.py, "
             f"the file the run was started with") from None
 
