@@ -94,12 +94,37 @@ class PositionHistory:
         return None if state is None else held_version(state["committed"])
 
     def prune(self) -> list[int]:
-        """Deletes the entries no kept checkpoint needs; returns their row counts."""
+        """Deletes the entries no kept checkpoint needs, and the weights links of an older history that
+        no entry left needs; returns the entries' row counts."""
         kept = self._kept()
         if not kept or kept == self._pruned_for:
             return []
         self._pruned_for = list(kept)
-        gone = [row for row in self.rows() if row < max(kept) and row not in kept]
+        names = self._store.list(self._prefix)
+        rows = sorted(int(m.group(1)) for name in names if (m := _ENTRY.search(name)))
+        gone = [row for row in rows if row < max(kept) and row not in kept]
         for row in gone:
             self._store.delete(self._key(row))
+        self._prune_links(names, [row for row in rows if row not in gone], kept)
         return gone
+
+    def _prune_links(self, names: list[str], rows: list[int], kept: list[int]) -> None:
+        """A branch from an entry's rows samples first with the version that entry held: the links of a
+        history made before the learner kept versions (:meth:`weights_key`) older than every version an
+        entry left held are needed by none. A kept row without its entry, or an entry that does not say
+        or cannot be read, keeps them all."""
+        links = {int(m.group(1)): name for name in names if (m := _KEPT_WEIGHTS.match(name))}
+        if not links or not set(kept) <= set(rows):
+            return
+        held = []
+        for row in rows:
+            try:
+                version = self.held_at(row)
+            except ValueError:  # damaged (StateFileError) or of another format: what it held is unknown
+                return
+            if version is None:
+                return
+            held.append(version)
+        for version, name in links.items():
+            if version < min(held):
+                self._store.delete(f"{self._prefix}/{name}")

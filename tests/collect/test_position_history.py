@@ -84,6 +84,34 @@ def test_a_history_made_before_the_learner_kept_the_weights_still_gives_the_ones
         "policy_00000001", "row_000000000008.pt", "row_000000000016.pt", "row_000000000024.pt"]
 
 
+def test_an_older_historys_links_go_once_no_entry_left_held_their_versions(tmp_path):
+    """Those links were never pruned: a run made before the learner kept versions, resumed now, kept up to
+    checkpoint_every versions of the weights for ever. Once the entries that held a version are pruned, its
+    link goes; what an entry left held, and anything newer, stays."""
+    where = tmp_path / "collector" / "shard-0000.history"
+    where.mkdir(parents=True)
+    for version in range(4):
+        (where / f"policy_{version:08d}").write_bytes(b"v%d" % version)
+    kept = []  # no checkpoint yet: nothing is pruned
+    history = PositionHistory(LocalRunStore(tmp_path / "collector"), "shard-0000.history", lambda: list(kept))
+    for round_ in range(1, 8):  # the states of rows 8, 16, ... hold versions 0, 1, 1, 2, 2, 3, 3
+        history.record(8 * round_, published(round_))
+    assert len(list(where.glob("policy_*"))) == 4
+    kept[:] = [16]  # a checkpoint kept at row 16 (version 1 held there): the links of versions 1 and later stay
+    history.record(8 * 8, published(8))
+    assert sorted(p.name for p in where.iterdir() if p.name.startswith("policy_")) == [
+        "policy_00000001", "policy_00000002", "policy_00000003"]
+    kept[:] = [40]  # only the checkpoint at row 40 (version 2 held) is kept now
+    history.record(8 * 9, published(9))
+    assert history.rows() == [40, 48, 56, 64, 72]
+    assert sorted(p.name for p in where.iterdir() if p.name.startswith("policy_")) == [
+        "policy_00000002", "policy_00000003"]
+    (where / "row_000000000064.pt").write_bytes(b"damaged")  # what it held is unknown: nothing more goes
+    kept[:] = [56]
+    history.record(8 * 10, published(10))
+    assert (where / "policy_00000002").exists()
+
+
 # a process that imports once, then forks a child per line it reads: the child commits rounds until the
 # test kills it, and the process says the child's pid, then "reaped" when it is gone (a start of its
 # own for each child would import torch again, seconds of CPU each)
