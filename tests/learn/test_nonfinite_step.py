@@ -110,7 +110,7 @@ def test_run_with_a_learning_rate_that_blows_up_the_weights_stops_in_one_line(tm
     assert len(refusals) == 1 and refusals[0].startswith(
         "rlhf-pipeline learn: error: learner step 1 refused: the weights after the optimizer step are not finite"), \
         done.stderr[-3000:]
-    assert "rlhf-pipeline run: error: the learner failed (exit code 2)" in done.stderr
+    assert "rlhf-pipeline run: error: the learner failed (exit code 2; see its error above)" in done.stderr
     run = home / "blown"
     assert published_versions(run) == [0] and not (run / "checkpoints").exists()
 
