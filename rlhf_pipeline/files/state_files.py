@@ -4,7 +4,8 @@ A run directory may be shared between machines and users, and ``torch.load(weigh
 unpickles arbitrary objects: anyone who can write a file there could run code in every learner and
 collector that resumes from it. Every state file we write (checkpoints, collector positions, pending
 groups, published weights) holds only tensors and plain values, and :func:`load_state` and
-:func:`load_state_bytes` read every one with ``weights_only=True``, which refuses any other object.
+:func:`load_state_bytes` read every one with ``weights_only=True``, which refuses any other object,
+after checking each member against the CRC32 torch stored with it.
 Design: docs/pipelines.md#the-run-directory.
 """
 
@@ -14,6 +15,7 @@ import os
 import pickle
 import struct
 import warnings
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,6 +66,9 @@ def _load(source: Callable[[], Any], *, what: str, where: str, writers: str, rem
           gone: Callable[[], bool]) -> Any:
     import torch
 
+    if (failed := _member_failing_its_crc(source)) is not None:
+        raise StateFileError(f"cannot read the {what} {where}: its {failed} fails the CRC32 torch stored with it. It "
+                             f"is damaged; delete it ({remedy})")
     try:
         with warnings.catch_warnings():  # torch's note on the pickle protocol it read in damaged bytes
             warnings.filterwarnings("ignore", message="Detected pickle protocol")
@@ -85,6 +90,17 @@ def _load(source: Callable[[], Any], *, what: str, where: str, writers: str, rem
             f"cannot read the {what} {where}: {why_unreadable(exc)}. It is damaged or not a torch file; "
             f"delete it ({remedy})"
         ) from None
+
+
+def _member_failing_its_crc(source: Callable[[], Any]) -> str | None:
+    """The first member of a torch file (a zip archive) whose bytes fail the CRC32 stored with them:
+    torch's reader never checks it, so a flipped bit inside a tensor loaded without a word. None when
+    every member passes, or when it is no readable archive (torch's reader then says what it is)."""
+    try:
+        with zipfile.ZipFile(source()) as archive:
+            return archive.testzip()
+    except Exception:  # noqa: BLE001 - cut short, not a zip, gone: torch.load's own errors name it
+        return None
 
 
 def _unsafe_globals(path) -> list[str]:

@@ -106,3 +106,28 @@ def test_a_damaged_state_file_says_so(tmp_path):
     path.write_bytes(path.read_bytes()[:100])
     with pytest.raises(StateFileError, match=r"cannot read the learner checkpoint .*step_00000001\.pt.*damaged"):
         manager.load()
+
+
+def test_a_flipped_bit_inside_a_tensor_is_refused_by_the_crc32_torch_stored(tmp_path):
+    """torch's reader never checks the CRC32 it writes beside each member: a checkpoint with one bit of
+    its weights flipped resumed with that weight changed. Each load now checks it, path and bytes alike."""
+    import io
+    import zipfile
+
+    from rlhf_pipeline.files.state_files import load_state_bytes
+
+    manager = CheckpointManager(tmp_path)
+    weights = torch.arange(256, dtype=torch.float32)
+    path = manager.save(Progress(seed=0, step=1), {"model": {"w": weights}, "rng": capture_rng_state()})
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as archive:
+        member = next(info for info in archive.infolist() if info.file_size == weights.numel() * 4)
+    with open(path, "rb") as f:  # where the member's bytes start: past its local header
+        f.seek(member.header_offset + 26)
+        name_length, extra_length = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+    data[member.header_offset + 30 + name_length + extra_length + 400] ^= 0x01  # one bit of one weight
+    path.write_bytes(bytes(data))
+    with pytest.raises(StateFileError, match=rf"step_00000001\.pt: its {member.filename} fails the CRC32 torch stored"):
+        manager.load()
+    with pytest.raises(StateFileError, match="fails the CRC32"):
+        load_state_bytes(bytes(data), what="learner checkpoint", where="s3://bucket/run/checkpoints/step_00000001.pt")
