@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from rlhf_pipeline.files.machine_cache import MachineCache
 from rlhf_pipeline.files.run_store import LocalRunStore, RunStore, as_run_store
-from rlhf_pipeline.files.state_files import StateFileError, why_unreadable
+from rlhf_pipeline.files.state_files import StateFileError, damaged
 
 if TYPE_CHECKING:  # imported where used, so listing versions (export-model --list-versions) needs no torch
     import torch
@@ -222,9 +222,8 @@ def _as_published(state: dict[str, torch.Tensor], metadata: dict[str, str]) -> d
 
 def damaged_weights(where: str, exc: BaseException) -> StateFileError:
     """The refusal of weights that cannot be read (``where``: their path or URL), naming what to do."""
-    return StateFileError(f"cannot read the published weights {where}: {why_unreadable(exc)}. The file is damaged or not weights "
-                          f"this library wrote; delete it (readers take the newest version left, and the learner "
-                          f"publishes the next)")
+    return damaged("published weights", where, exc, kind="weights this library wrote",
+                   remedy="readers take the newest version left, and the learner publishes the next")
 
 
 def load_weights_file(path: str | Path, where: str | None = None) -> tuple[dict[str, torch.Tensor], int]:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.files.run_paths import is_url, local_run_path
+from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.pipeline import PipelineError, RunPaths
 
 if TYPE_CHECKING:
@@ -146,7 +147,7 @@ def _checkpoint_progress(path: Path) -> dict[str, int] | None:
 
 def _publish_every(paths: RunPaths) -> int | None:
     try:
-        settings = json.loads(paths.store.read(paths.key(paths.settings_file)) or b"")
+        settings = saved_settings(paths.store)  # damaged: a StateFileError, a ValueError
         return int(settings["learner"]["publish_every"])
     except (OSError, ValueError, KeyError, TypeError):
         return None  # without it a checkpoint cannot be matched to a version

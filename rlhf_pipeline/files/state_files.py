@@ -32,6 +32,16 @@ def why_unreadable(exc: BaseException) -> str:
 
 
 CHECKPOINT_REMEDY = "a learner resumes from its previous checkpoint"
+
+
+def damaged(what: str, where: str, exc: BaseException, *, kind: str = "a torch file",
+            remedy: str = CHECKPOINT_REMEDY) -> StateFileError:
+    """The one-line refusal of a state file (``what`` at ``where``) that ``exc`` says cannot be read:
+    damaged, or not ``kind``; deleting it leaves ``remedy``."""
+    return StateFileError(f"cannot read the {what} {where}: {why_unreadable(exc)}. It is damaged or not {kind}; "
+                          f"delete it ({remedy})")
+
+
 # what torch's reader raises on bytes cut short or overwritten (found by damaging state files at random)
 _DAMAGED = (RuntimeError, EOFError, OSError, ValueError, IndexError, KeyError, struct.error)
 
@@ -86,10 +96,7 @@ def _load(source: Callable[[], Any], *, what: str, where: str, writers: str, rem
     except _DAMAGED as exc:
         if isinstance(exc, OSError) and gone():
             raise
-        raise StateFileError(
-            f"cannot read the {what} {where}: {why_unreadable(exc)}. It is damaged or not a torch file; "
-            f"delete it ({remedy})"
-        ) from None
+        raise damaged(what, where, exc, remedy=remedy) from None
 
 
 def _member_failing_its_crc(source: Callable[[], Any]) -> str | None:

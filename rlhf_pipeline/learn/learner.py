@@ -569,7 +569,7 @@ class Learner:
 
     def _read_rewind_records(self) -> None:
         if self.source.fed_by_collectors:
-            self._rewind_records = [self.checkpoints.record(step) or {"step": step} for step in self.checkpoints.steps()]
+            self._rewind_records = self.checkpoints.rewind_points()
 
     def _keep_rewind_record(self, record: dict[str, Any]) -> None:
         """After a checkpoint was saved with ``record`` (and older ones pruned): the versions only the

@@ -414,7 +414,7 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
         return None, f"{source} is no run's buffer/ (no initial weights beside it)"
     store = run_store_at(run)
     try:
-        saved = json.loads(store.read("settings.json") or b"{}")
+        saved = saved_settings(store) or {}
         branch = read_parent(store)
     except (OSError, ValueError) as exc:
         return None, f"the settings of {run}, which recorded the buffer, are unreadable ({exc})"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.runs.lineage import (
     PARENT_ROWS_MANIFEST,
     branch_records,
@@ -301,8 +302,8 @@ def run_retention(run: str | Path) -> dict[str, Any] | None:
     """What ``inspect RUN`` says of a run's retention: the rules from its ``settings.json`` (None
     for a run with no ``retention`` settings, made before them or by a pipeline without them)."""
     try:
-        settings = json.loads(run_store_at(run).read("settings.json") or b"null")
-    except (OSError, ValueError):
+        settings = saved_settings(run_store_at(run))
+    except (OSError, ValueError):  # damaged: a StateFileError
         return None
     data = settings.get("retention") if isinstance(settings, dict) else None
     if not isinstance(data, dict):
