@@ -143,3 +143,48 @@ def test_damaged_published_weights_are_refused_naming_the_file_and_the_way_out(r
         assert "damaged" in message and "delete it" in message and "\n" not in message
     store.delete(key)  # the way out it names: the newest version left
     assert WeightsPoller(store).poll()[1] == 0
+
+
+@pytest.mark.parametrize("run_home", ["local", "s3"], indirect=True)
+def test_every_bit_flipped_in_published_weights_is_refused(run_home):
+    """A bit flipped on disk in a weights file (its header, its metadata or a tensor's bytes) loaded as
+    it was, and the collectors sampled with a changed weight: safetensors keeps no checksum. The file
+    records a CRC32C of its metadata and tensors, which every read checks. Locally every bit is flipped
+    in turn; at a URL (a read of the object's bytes, not of a file) every 97th."""
+    from rlhf_pipeline.coordination.weights import CHECKSUM_KEY
+    from rlhf_pipeline.files.run_paths import run_paths
+    from rlhf_pipeline.files.state_files import StateFileError
+
+    store = run_paths("flipped", run_home).store
+    publish_weights(store, state(0), 0)
+    publish_weights(store, {"weight": torch.arange(6.0).reshape(2, 3), "bias": torch.ones(3)}, 1)
+    key = "weights/policy_00000001.safetensors"
+    whole = store.read(key)
+    assert CHECKSUM_KEY.encode() in whole
+    original, _ = load_published(store, 1)
+    silent = []
+    for bit in range(0, len(whole) * 8, 1 if run_home == "local" else 97):
+        flipped = bytearray(whole)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        store.write(key, bytes(flipped))
+        try:
+            loaded, version = load_published(store, 1)
+        except StateFileError as refused:
+            assert "cannot read the published weights" in str(refused)
+            continue
+        if version != 1 or loaded.keys() != original.keys() or any(
+                not torch.equal(loaded[name], original[name]) for name in original):
+            silent.append(bit)
+    assert not silent, f"bits {silent} of {len(whole) * 8} changed what loads without a word"
+    store.write(key, whole)
+    assert torch.equal(load_published(store, 1)[0]["weight"], original["weight"])
+
+
+def test_weights_published_before_checksums_still_load(tmp_path):
+    """Files a learner published before the checksum (no ``crc32c`` in their metadata) load unchecked."""
+    from safetensors.torch import save_file
+
+    (tmp_path / "weights").mkdir()
+    save_file(state(7), str(weights_path(tmp_path, 7)), metadata={"version": "7"})
+    loaded, version = load_weights_file(weights_path(tmp_path, 7))
+    assert version == 7 and torch.equal(loaded["weight"], state(7)["weight"])
