@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from rlhf_pipeline.coordination.weights import held_version
+from rlhf_pipeline.coordination.branch_weights import held_version
 from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.storage import writer_state as writer_states
 

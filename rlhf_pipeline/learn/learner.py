@@ -26,7 +26,8 @@ import torch
 from tensordict import TensorDict
 
 from rlhf_pipeline.coordination.pacing import LearnerIntake, PacingPublisher
-from rlhf_pipeline.coordination.weights import HeldVersions, prune_versions, weights_for_branches
+from rlhf_pipeline.coordination.branch_weights import HeldVersions, weights_for_branches
+from rlhf_pipeline.coordination.weights import prune_versions
 from rlhf_pipeline.files.run_paths import RunPaths
 from rlhf_pipeline.learn.batch import PackedBatch, fresh_mask
 from rlhf_pipeline.learn.checkpoint import Progress, buffer_rows, capture_rng_state, restore_rng_state, run_checkpoints

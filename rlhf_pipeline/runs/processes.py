@@ -100,7 +100,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
     from rlhf_pipeline.collect.commit import stored_in_round
-    from rlhf_pipeline.coordination.weights import held_version
+    from rlhf_pipeline.coordination.branch_weights import held_version
     from rlhf_pipeline.generation.engine import EngineFailed, EngineStopped, GenerationEngine
     from rlhf_pipeline.runs.branch_online import collector_rows, keep_position_history
     from rlhf_pipeline.runs.retention import ShardRetention
@@ -324,7 +324,8 @@ def _resumed_learner_version(paths: RunPaths) -> int | None:
     (``retract_versions_after``) and publishes those numbers again as it retrains. None when that
     cannot be told without torch (a checkpoint whose rewind record a crash kept from being written,
     or an older run that pruned its initial policy)."""
-    from rlhf_pipeline.coordination.weights import held_version, published_versions
+    from rlhf_pipeline.coordination.branch_weights import held_version
+    from rlhf_pipeline.coordination.weights import published_versions
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
     checkpoints = run_checkpoints(paths)

@@ -3,7 +3,7 @@
 with the rows a reader sees says it held) and ``weights_for_branches`` (from the kept checkpoints'
 records and that). A whole run and its branch: tests/integration/test_branch_online.py."""
 
-from rlhf_pipeline.coordination.weights import HeldVersions, weights_for_branches
+from rlhf_pipeline.coordination.branch_weights import HeldVersions, weights_for_branches
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, open_buffer, open_store
 from rlhf_pipeline.storage.writer_state import encode

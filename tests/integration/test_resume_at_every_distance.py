@@ -29,7 +29,8 @@ import pytest
 import torch
 
 from rlhf_pipeline.coordination.pacing import read_intake
-from rlhf_pipeline.coordination.weights import load_weights, published_versions, weights_for_branches
+from rlhf_pipeline.coordination.branch_weights import weights_for_branches
+from rlhf_pipeline.coordination.weights import load_weights, published_versions
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 from rlhf_pipeline.learn.checkpoint import run_checkpoints
 from rlhf_pipeline.learn.learner import Learner

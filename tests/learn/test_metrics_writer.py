@@ -33,10 +33,21 @@ def test_every_numeric_metric_reaches_tensorboard_at_its_step(tmp_path):
     assert all(4 not in by_step for by_step in scalars.values())
 
 
-def test_a_resumed_run_hides_the_steps_a_killed_learner_logged_past_its_checkpoint(tmp_path):
+def test_a_resumed_run_hides_the_steps_a_killed_learner_logged_past_its_checkpoint(tmp_path, monkeypatch):
     """Killed at step 5 with a checkpoint at step 3, a learner had logged steps 4 and 5; resumed, it
     logs them again: TensorBoard shows each step once, as the resumed run logged it."""
+    import time
+    import types
+
+    from tensorboard.summary.writer import event_file_writer
+
+    # TensorBoard reads a directory's event files in name order: creation second, host, pid, then a
+    # per-process counter, which sorts "10" before "9". A killed learner's file is seconds older than its
+    # resumed one's in a run; both made by this process in one second, the two counters can cross a digit
+    # (as they did once in the whole suite), so the killed writer's file is dated a minute back
+    monkeypatch.setattr(event_file_writer, "time", types.SimpleNamespace(time=lambda: time.time() - 60))
     killed = MetricsWriter(tmp_path / "metrics.jsonl", tmp_path / "tb")
+    monkeypatch.undo()
     for step in range(1, 6):
         killed.log(step, {"losses/loss": float(step)})
     killed.close()
