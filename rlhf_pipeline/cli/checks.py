@@ -57,6 +57,32 @@ def buffer_given(location: str, command: str) -> str:
     return run_buffer
 
 
+def store_or_run(text: str, home: str | None, what: str) -> str:
+    """An argument naming where rows are written that may be a run (``import``'s BUFFER): a path or URL
+    as given. A bare name (no ``/``, no such path here) is the run of that name under ``home`` when
+    ``--home`` is given (refused when there is none), else a new store here, as it always was; but a
+    run of that name under the default home makes it ambiguous, refused naming both ways to say it."""
+    if is_url(text) or "/" in text.strip("/") or Path(text).exists():
+        return text
+    from rlhf_pipeline.runs.lineage import is_run
+
+    name = text.strip("/")
+    try:
+        location = run_paths(name, home).location
+    except RunLocationError as exc:
+        raise CommandRefused(str(exc)) from None
+    there = is_run(location)
+    if home is not None:
+        if not there:
+            raise CommandRefused(f"{what} {text}: no run of that name is under --home {home} ({location}); give a "
+                                 f"path (./{name}) for a new store")
+        return location
+    if there:
+        raise CommandRefused(f"{what} {text} could be a new store in this directory or the run {location} (under "
+                             f"${HOME_ENV_VAR} or storage/): give ./{name} for the store, or {location} for the run")
+    return text
+
+
 HOME_HELP = ("directory holding run directories, or an s3:// or az:// URL holding runs, for a run given by its "
              "name (default: storage/ in the repo, or $RLHF_PIPELINE_HOME)")
 

@@ -14,7 +14,7 @@ import argparse
 from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import writable_output
+from rlhf_pipeline.cli.checks import store_or_run, writable_output
 
 _COLUMN_OPTIONS = (
     ("--prompt", "prompt", "prompt text column (default: prompt_text or prompt)"),
@@ -35,7 +35,10 @@ _COLUMN_OPTIONS = (
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
     parser.add_argument("source", help="a JSONL or Parquet file, a save_to_disk directory, or a directory of data files")
     parser.add_argument("buffer", help="the buffer to write: a store path (new or existing), or a run directory / "
-                                       "its buffer/ (a new shard); either may be an s3:// or az:// URL")
+                                       "its buffer/ (a new shard), or a run's name with --home; either may be "
+                                       "an s3:// or az:// URL")
+    parser.add_argument("--home", default=None, help="directory or s3:// or az:// URL holding runs, for a BUFFER "
+                                                     "given by its run's name")
     parser.add_argument("--pipeline", metavar="PIPELINE.py", default=None,
                         help="pipeline whose tokenizer, model and write path the import uses (optional for a "
                              "run, which keeps a copy of its own)")
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
         raise CommandRefused("--rows-per-chunk must be >= 1")
     if args.pipeline is not None and not Path(args.pipeline).is_file():
         raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")
+    args.buffer = store_or_run(args.buffer, args.home, "BUFFER")
     writable_output(args.buffer, "BUFFER")
     if args.device is not None:
         from rlhf_pipeline.pipeline import PipelineError

@@ -152,3 +152,29 @@ def rows_in(buffer):
         batch = store.read(torch.arange(len(store)))
     return {name: batch[name].tolist() if hasattr(batch[name], "tolist") else list(batch[name])
             for name in ("group_id", "trajectory_id", "reward", "response_text")}
+
+
+def test_a_buffer_given_by_its_runs_name_needs_home_and_an_ambiguous_name_is_refused(tiny_run, tmp_path, capsys,
+                                                                                    monkeypatch):
+    """BUFFER as a run's name: with --home, the run of that name there (none there: refused); without,
+    a new store in this directory, as always, unless a run of that name is under the default home, when
+    the name could be either and is refused naming both. Nothing is written by a refusal."""
+    home = tmp_path / "home"
+    shutil.copytree(tiny_run, home / "exp")
+    source = write_jsonl(tmp_path / "rows.jsonl", toy_rows(1))
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    monkeypatch.chdir(workdir)
+
+    assert main(["import", str(source), "other", "--home", str(home)]) == 2
+    assert f"BUFFER other: no run of that name is under --home {home}" in capsys.readouterr().err
+    monkeypatch.setenv("RLHF_PIPELINE_HOME", str(home))
+    assert main(["import", str(source), "exp", "--pipeline", str(DEFAULT_PIPELINE)]) == 2
+    err = capsys.readouterr().err
+    assert f"BUFFER exp could be a new store in this directory or the run {home / 'exp'}" in err, err
+    assert "give ./exp for the store" in err
+    assert list(workdir.iterdir()) == [] and not (home / "exp" / "imports").exists()
+
+    assert main(["import", str(source), "exp", "--home", str(home), "--quiet"]) == 0
+    assert (home / "exp" / "imports").is_dir()  # the run's import record: the rows went into its buffer
+    assert list(workdir.iterdir()) == []

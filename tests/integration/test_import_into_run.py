@@ -8,7 +8,6 @@ shows them, for a run in a directory, at an ``s3://`` URL (moto's S3 server on l
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -113,6 +112,8 @@ def test_an_import_into_a_run_gets_a_shard_of_its_own_scored_by_its_newest_polic
     assert f"{shard.rpartition('/')[2]}: 12" in stats["extra"]["shard_rows"]
 
     assert main(["import", str(source), run.buffer_location]) == 0
+    assert "was already imported" in capsys.readouterr().err
+    assert main(["import", str(source), "run", "--home", run_home]) == 0  # the run by its name
     assert "was already imported" in capsys.readouterr().err
     assert len(rows_of(shard)) == 12
     # collector 0 has run (its position history exists): its shard is refused, ids would collide
