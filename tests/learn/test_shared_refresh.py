@@ -20,6 +20,10 @@ from rlhf_pipeline.storage import create_store, open_buffer
 from rlhf_pipeline.storage.zarr import ZarrTrajectoryStore
 
 ROWS_PER_APPEND = 4
+# the writers' lock lease: a writer renews its lock every third of it, and the tests count every request
+# moto receives, so a renewal inside a count (a 30 s lease renews every 10 s: a setup that slow under load
+# once put a writer's LIST of its lock into a reader's opening) would be counted as the reader's
+WRITER_LEASE_S = 3600.0
 
 
 def _rows(shard: int, append: int):
@@ -40,7 +44,8 @@ def _unit_gets(sent) -> list[str]:
 
 def test_other_ranks_adopt_rank_zeros_refresh_and_send_no_record_get_or_list(s3_server):
     prefix = s3_server.url("buffer")
-    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=64,
+    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), lock_lease_s=WRITER_LEASE_S,
+                                          segment_rows=64,
                                           storage_options=s3_server.options) for k in range(5)]
     try:
         for k, writer in enumerate(writers):
@@ -82,11 +87,13 @@ def test_a_shard_new_to_another_rank_is_opened_from_rank_zeros_listing_and_recor
     """Shard 0 as buffers at a URL were made before spread names (``shard-0000``), shard 1 as they are
     made now (``<hh>-shard-0001``): the other rank opens it by the name in rank 0's view."""
     prefix = s3_server.url("buffer")
-    with ZarrTrajectoryStore.create(f"{prefix}/shard-0000", StoreSchema(), storage_options=s3_server.options) as w:
+    with ZarrTrajectoryStore.create(f"{prefix}/shard-0000", StoreSchema(), lock_lease_s=WRITER_LEASE_S,
+                                    storage_options=s3_server.options) as w:
         w.append(_rows(0, 0))
     options = {"storage_options": s3_server.options, "refresh_interval_s": 0}
     main, other = open_buffer(prefix, **options), open_buffer(prefix, **options)
-    with ZarrTrajectoryStore.create(shard_location(prefix, 1), StoreSchema(), storage_options=s3_server.options) as w:
+    with ZarrTrajectoryStore.create(shard_location(prefix, 1), StoreSchema(), lock_lease_s=WRITER_LEASE_S,
+                                    storage_options=s3_server.options) as w:
         w.append(_rows(1, 0))
     main.refresh()
     names = row_names(main, torch.arange(2 * ROWS_PER_APPEND))
@@ -125,7 +132,8 @@ def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_no
     _aws_environment(s3_server, monkeypatch)
     prefix = s3_server.url("buffer")
     # the collectors stay open: closing merges a shard's fragments, and a reader of the old one rereads the record
-    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), segment_rows=64) for k in range(4)]
+    writers = [ZarrTrajectoryStore.create(f"{prefix}/shard-{k:04d}", StoreSchema(), lock_lease_s=WRITER_LEASE_S,
+                                          segment_rows=64) for k in range(4)]
     for k, writer in enumerate(writers):
         writer.append(_rows(k, 0))
     with s3_server.requests.recording() as sent:
@@ -154,7 +162,8 @@ def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_no
     assert other.read(positions)["trajectory_id"].tolist() == _all_rows(main)
     # a reader like any other from then on: its own refresh sees the append, and a new shard is opened
     # with one GET of its record (not a second one right after)
-    with ZarrTrajectoryStore.create(f"{prefix}/shard-0004", StoreSchema(), segment_rows=64) as writer:
+    with ZarrTrajectoryStore.create(f"{prefix}/shard-0004", StoreSchema(), lock_lease_s=WRITER_LEASE_S,
+                                    segment_rows=64) as writer:
         writer.append(_rows(4, 0))
     with s3_server.requests.recording() as sent:
         assert other.refresh() == 6 * ROWS_PER_APPEND
@@ -168,7 +177,7 @@ def test_other_ranks_open_the_buffer_from_the_records_rank_zero_read_and_send_no
 def test_a_single_store_at_a_url_opens_with_one_record_get_and_another_rank_from_it(s3_server, monkeypatch):
     _aws_environment(s3_server, monkeypatch)
     url = s3_server.url("store")
-    writer = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=64)
+    writer = ZarrTrajectoryStore.create(url, StoreSchema(), lock_lease_s=WRITER_LEASE_S, segment_rows=64)
     writer.append(_rows(0, 0))
     with s3_server.requests.recording() as sent:
         main = open_buffer(url, refresh_interval_s=0)
@@ -258,7 +267,8 @@ def test_a_draw_of_trajectories_is_ordered_by_rank_with_its_steps_and_weights(tm
 
 def test_a_single_store_at_a_url_is_shared_the_same_way(s3_server):
     url = s3_server.url("buffer")
-    with ZarrTrajectoryStore.create(url, StoreSchema(), storage_options=s3_server.options) as writer:
+    with ZarrTrajectoryStore.create(url, StoreSchema(), lock_lease_s=WRITER_LEASE_S,
+                                    storage_options=s3_server.options) as writer:
         writer.append(_rows(0, 0))
         main = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)
         other = ZarrTrajectoryStore.open(url, storage_options=s3_server.options, refresh_interval_s=0)

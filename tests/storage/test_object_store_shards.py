@@ -233,7 +233,9 @@ def test_a_sealed_segments_fragments_are_deleted_by_their_keys_without_a_listing
     """Each fragment a seal replaces goes in one DeleteObjects naming its two objects: it was a LIST of
     its prefix and then the delete, two requests for every append of a run."""
     url = s3_server.url()
-    store = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options)
+    # a lease renewed only after the test (every third of it): a renewal is requests of its own
+    store = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options,
+                                       lock_lease_s=3600)
     for start in (0, 5):
         store.append(checksummed_batch(start, 5))
     with s3_server.requests.recording() as sent:
