@@ -66,12 +66,14 @@ def store_or_run(text: str, home: str | None, what: str) -> str:
         return text
     from rlhf_pipeline.runs.lineage import is_run
 
+    from rlhf_pipeline.files.run_store import RunStoreError
+
     name = text.strip("/")
     try:
         location = run_paths(name, home).location
-    except RunLocationError as exc:
+        there = is_run(location)
+    except (RunLocationError, RunStoreError) as exc:  # an unsupported scheme; a store that would not answer
         raise CommandRefused(str(exc)) from None
-    there = is_run(location)
     if home is not None:
         if not there:
             raise CommandRefused(f"{what} {text}: no run of that name is under --home {home} ({location}); give a "
