@@ -57,16 +57,21 @@ def buffer_given(location: str, command: str) -> str:
     return run_buffer
 
 
+def _given_as_a_path(text: str) -> bool:
+    """Whether a command's argument is a path or URL as given, not the bare name of a run: a URL, a
+    ``/`` inside it, or a path that exists here."""
+    return is_url(text) or "/" in text.strip("/") or Path(text).exists()
+
+
 def store_or_run(text: str, home: str | None, what: str) -> str:
     """An argument naming where rows are written that may be a run (``import``'s BUFFER): a path or URL
     as given. A bare name (no ``/``, no such path here) is the run of that name under ``home`` when
     ``--home`` is given (refused when there is none), else a new store here, as it always was; but a
     run of that name under the default home makes it ambiguous, refused naming both ways to say it."""
-    if is_url(text) or "/" in text.strip("/") or Path(text).exists():
+    if _given_as_a_path(text):
         return text
-    from rlhf_pipeline.runs.lineage import is_run
-
     from rlhf_pipeline.files.run_store import RunStoreError
+    from rlhf_pipeline.runs.lineage import is_run
 
     name = text.strip("/")
     try:
@@ -118,7 +123,7 @@ def run_or_path(text: str, home: str | None = None, what: str = "") -> str:
     wrote, from any directory. As argparse's ``type``, it refuses a name that is neither before any
     heavy import, through :class:`CommandRefused` (one line, as every refusal, naming the option
     ``what`` where there is one)."""
-    if is_url(text) or "/" in text.strip("/") or Path(text).exists():
+    if _given_as_a_path(text):
         return text
     try:
         location = run_paths(text.strip("/"), home).location

@@ -221,16 +221,18 @@ def load_weights_file(path: str | Path, where: str | None = None) -> tuple[dict[
 
 def _load_object(store: RunStore, name: str) -> tuple[dict[str, torch.Tensor], int]:
     """``(state_dict, version)`` of the weight object ``name``; FileNotFoundError when pruned."""
+    key = f"{WEIGHTS}/{name}"
     if isinstance(store, LocalRunStore):
-        return load_weights_file(store.path(f"{WEIGHTS}/{name}"))
-    data = store.read(f"{WEIGHTS}/{name}")
+        return load_weights_file(store.path(key))
+    where = store.describe(key)
+    data = store.read(key)
     if data is None:
-        raise FileNotFoundError(store.describe(f"{WEIGHTS}/{name}"))
+        raise FileNotFoundError(where)
     named = _NAME.match(name)
     if name.endswith(LEGACY_SUFFIX):
         from rlhf_pipeline.files.state_files import load_state_bytes
 
-        payload = load_state_bytes(data, what="weights file", where=store.describe(f"{WEIGHTS}/{name}"))
+        payload = load_state_bytes(data, what="weights file", where=where)
         return payload["state_dict"], int(payload["version"])
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -241,8 +243,8 @@ def _load_object(store: RunStore, name: str) -> tuple[dict[str, torch.Tensor], i
         version = int(metadata.get("version") or (named.group(1) if named else -1))
         state = load(data)
     except (SafetensorError, struct.error, ValueError, AttributeError) as exc:  # AttributeError: a header not an object
-        raise damaged_weights(store.describe(f"{WEIGHTS}/{name}"), exc) from None
-    return _as_published(state, metadata, store.describe(f"{WEIGHTS}/{name}")), version
+        raise damaged_weights(where, exc) from None
+    return _as_published(state, metadata, where), version
 
 
 def load_weights(run: Run, version: int | None = None) -> tuple[dict[str, torch.Tensor], int]:
