@@ -17,7 +17,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
@@ -25,9 +25,9 @@ from rlhf_pipeline.collect.commit import InOrderCommit, StreamTiming, partial_ro
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.episodes import EndedGroup, Environments, SingleTurn
 from rlhf_pipeline.collect.prompts import RecordCycle
-from rlhf_pipeline.collect.rewards import check_failure_fraction, check_failure_rate
+from rlhf_pipeline.collect.rewards import check_failure_rate
 from rlhf_pipeline.collect.turns import EngineTurns, RoundTurns
-from rlhf_pipeline.setting_checks import check_fields
+from rlhf_pipeline.setting_checks import Bounds, check_fields
 from rlhf_pipeline.generation.engine import GenerationEngine, draw_seed
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -39,9 +39,9 @@ from rlhf_pipeline.schema.ids import MAX_COLLECTORS, id_base
 class CollectorConfig:
     """Settings of one collector process."""
 
-    tasks_per_round: int = 8
+    tasks_per_round: Annotated[int, Bounds(ge=1)] = 8
     """Tasks per ``collect()`` call: a round writes ``tasks_per_round`` groups."""
-    group_size: int = 8
+    group_size: Annotated[int, Bounds(ge=1)] = 8
     """Episodes per task (GRPO's G); the write path's ``GroupAdvantage`` must use the same."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     """Temperature / top-k / top-p / max_new_tokens; the stored log-probs follow them (an agent turn's
@@ -50,21 +50,18 @@ class CollectorConfig:
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
     seed: int = 0
     """Seed of the collector's generator (mixed with ``collector_index`` so collectors differ)."""
-    max_failed_group_fraction: float | None = 0.1
+    max_failed_group_fraction: Annotated[float | None, Bounds(ge=0, le=1)] = 0.1
     """Groups dropped (a reward that is not finite, an episode whose environment failed) may be at most
     this fraction of the groups run; past it ``collect`` raises ``EpisodeFailureRateError`` after
     writing its round, and the run stops. 0: the first drop stops it; None: never."""
-    failure_rate_min_groups: int = 32
+    failure_rate_min_groups: Annotated[int, Bounds(ge=1)] = 32
     """The fraction above is taken over at least this many groups, so a few drops at the start do not
     stop a run (with 0.1 and 32, a fourth dropped group within the first 32 does)."""
 
     def __post_init__(self) -> None:
-        if self.tasks_per_round < 1 or self.group_size < 1:
-            raise ValueError("CollectorConfig: tasks_per_round and group_size must be >= 1")
+        check_fields(self, "CollectorConfig.")  # every number finite and within its Bounds
         if not 0 <= self.collector_index < MAX_COLLECTORS:
             raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
-        check_failure_fraction(self.max_failed_group_fraction, self.failure_rate_min_groups, "CollectorConfig")
-        check_fields(self, "CollectorConfig.")  # what the ranges above let through: every number finite
 
 
 MetricsHook = Callable[[dict[str, float]], None]
@@ -211,7 +208,7 @@ class Collector:
                      time.perf_counter() - started, timing.metrics())
         check_failure_rate(self.groups_dropped, self.groups_emitted, self.config.max_failed_group_fraction,
                            self.config.failure_rate_min_groups, failures[-1][2] if failures else None,
-                           "CollectorConfig", over=self.episodes.drops_over)
+                           over=self.episodes.drops_over)
         return batch
 
     def _start_round(self, after: Round | None) -> Round:

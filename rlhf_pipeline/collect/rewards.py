@@ -255,23 +255,14 @@ class EpisodeFailureRateError(RuntimeError):
 
 
 def check_failure_rate(dropped: int, emitted: int, limit: float | None, min_groups: int, last: str | None,
-                       config_name: str, over: str) -> None:
+                       over: str) -> None:
     """Raise :class:`EpisodeFailureRateError` once ``dropped`` of ``emitted`` groups is past ``limit``,
     the fraction taken over at least ``min_groups`` groups (so a few drops at the start stop nothing);
-    ``over``: what drops a group in this collector, for the message.
-    One rule for the single-turn and the agent collector, so a reward that is always NaN stops either."""
+    ``over``: what drops a group (the episodes' ``drops_over``), for the message."""
     if limit is None or not dropped or dropped <= limit * max(emitted, min_groups):
         return
     why = f"; the last: {last}" if last else ""
     raise EpisodeFailureRateError(
         f"{dropped} of {emitted} groups were dropped over {over}, more than max_failed_group_fraction={limit:g} allows "
         f"(counted over at least {min_groups} groups){why}; fix the reward or environment, or raise "
-        f"{config_name}.max_failed_group_fraction")
-
-
-def check_failure_fraction(limit: float | None, min_groups: int, config_name: str) -> None:
-    """The two failure-rate settings of a collector's config, checked where they are declared."""
-    if limit is not None and not (math.isfinite(limit) and 0.0 <= limit <= 1.0):
-        raise ValueError(f"{config_name}.max_failed_group_fraction must be in [0, 1] or None, got {limit}")
-    if min_groups < 1:
-        raise ValueError(f"{config_name}.failure_rate_min_groups must be >= 1, got {min_groups}")
+        f"CollectorConfig.max_failed_group_fraction")
