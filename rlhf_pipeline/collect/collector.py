@@ -171,7 +171,9 @@ class Collector:
                 parts.append(rows.parts)
             state = (self._state(self._draws(), counted=round_) if last
                      else partial_round(round_.start_state, groups[-1].index + 1))
-            self._commit(rows.batch, round_, state, last)
+            unstored = without_stored(rows.batch, round_.first_group_id, self._stored_in_round)
+            if self.sink is not None and (last or unstored is not None):  # the last append goes even with no rows
+                self.sink(unstored, writer_state=state)
 
         commit = InOrderCommit(len(round_.tasks), write, StreamTiming(started=started))
         try:
@@ -185,9 +187,7 @@ class Collector:
             self.episodes.finish(round_)
             timing = commit.finish()
         except BaseException:
-            self._abandon(round_)
-            self._abandon(self._ahead)
-            self._ahead = None
+            self._abandon(round_)  # (load_state_dict abandons the round started ahead)
             # a retry runs the round again from its start, writing only its groups not stored yet
             self.load_state_dict(partial_round(round_.start_state, max(self._stored_in_round, commit.written)))
             raise
@@ -230,22 +230,14 @@ class Collector:
         """The round's groups as they end, in lists that ended together; raises what failed the round."""
         while True:
             items = [round_.ended.get()]
-            while True:
-                try:
-                    items.append(round_.ended.get_nowait())
-                except queue.Empty:
-                    break
-            groups, done = [], False
+            while not round_.ended.empty():  # this is its one reader
+                items.append(round_.ended.get_nowait())
             for item in items:
                 if isinstance(item, BaseException):
                     raise item
-                if item is None:
-                    done = True
-                else:
-                    groups += item
-            if groups:
+            if groups := [group for item in items if item is not None for group in item]:
                 yield groups
-            if done:
+            if None in items:
                 return
 
     def _abandon(self, round_: Round | None) -> None:
@@ -254,15 +246,6 @@ class Collector:
             return
         round_.turns.cancel()
         self.episodes.finish(round_)
-
-    def _commit(self, batch: TrajectoryBatch | None, round_: Round, state: dict[str, Any], last: bool) -> None:
-        """``batch`` (consecutive groups of this round; None: all dropped) to the sink with the state after
-        them, less the groups a cut-off round stored before; the round's last call goes even with no rows."""
-        if batch is not None:
-            batch = without_stored(batch, round_.first_group_id, self._stored_in_round)
-        rows = batch if batch is not None and len(batch) else None
-        if self.sink is not None and (last or rows is not None):
-            self.sink(rows, writer_state=state)
 
     def _counts(self, round_: Round | None = None) -> dict[str, int]:
         """The id and pacing counters, with ``round_``'s in when given."""

@@ -121,8 +121,9 @@ def stored_in_round(state: dict[str, Any]) -> int:
     return int(state.get(STORED_IN_ROUND, 0))
 
 
-def without_stored(batch: TrajectoryBatch, first_group_id: int, stored: int) -> TrajectoryBatch:
-    """``batch`` less the groups of its round stored already: ids below ``first_group_id + stored``."""
-    if not stored:
-        return batch
-    return batch.select(torch.nonzero(batch["group_id"] >= first_group_id + stored).squeeze(-1))
+def without_stored(batch: TrajectoryBatch | None, first_group_id: int, stored: int) -> TrajectoryBatch | None:
+    """``batch`` less the groups of its round stored already (ids below ``first_group_id + stored``);
+    None when no row is left."""
+    if batch is not None and stored:
+        batch = batch.select(torch.nonzero(batch["group_id"] >= first_group_id + stored).squeeze(-1))
+    return batch if batch is not None and len(batch) else None
