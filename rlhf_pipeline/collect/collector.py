@@ -262,7 +262,11 @@ class Collector:
     def _report(self, round_: Round, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor], elapsed: float,
                 streamed: dict[str, float]) -> None:
         reasons = {f"dropped/{r}": float(n) for r, n in Counter(r for _, r, _ in round_.dropped if r).items()}
+        rows = 0 if batch is None else len(batch)
         metrics = {
+            "rows": float(rows),
+            "rows_per_s": rows / max(elapsed, 1e-9),
+            "generate_s": round_.turns.busy_s,  # seconds the engine had at least one request of the round
             **self.episodes.metrics(self, round_, batch, parts, elapsed),
             "groups_dropped": float(len(round_.dropped)),
             "groups_dropped_total": float(self.groups_dropped),

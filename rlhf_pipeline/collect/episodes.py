@@ -95,9 +95,9 @@ class SingleTurn:
         the round: group ``k`` is ``group_id`` base + groups so far + k."""
         cfg, tokenizer, tasks = collector.config, collector.tokenizer, round_.tasks
         completions_out = [c for g in groups for c in g.episodes.completions]  # grouped by task, in order
-        prompt_index = torch.tensor([g.index for g in groups for _ in g.episodes.completions], dtype=torch.int64)
+        idx = [g.index for g in groups for _ in g.episodes.completions]
+        prompt_index = torch.tensor(idx, dtype=torch.int64)
         member = torch.tensor([j for g in groups for j in range(len(g.episodes.completions))], dtype=torch.int64)
-        idx = prompt_index.tolist()
         terminated = torch.tensor([c.terminated for c in completions_out], dtype=torch.bool)
         version = torch.tensor([g.episodes.policy_version for g in groups for _ in g.episodes.completions],
                                dtype=torch.int64)
@@ -108,17 +108,15 @@ class SingleTurn:
         fields = {k: [tasks[i].fields.get(k) for i in idx] for k in field_names}
         reward, parts = score(self.rewards, prompt_texts, completions, fields)
         n = len(idx)
-        group_id = round_.first_group_id + prompt_index
-        # every group has group_size rows: row j of group k is the round's k * G + j
-        trajectory_id = round_.first_trajectory_id + prompt_index * cfg.group_size + member
         batch = TrajectoryBatch({
             "prompt_tokens": RaggedTensor.from_sequences([round_.requests[i].prompt_ids for i in idx],
                                                          dtype=torch.int32),
             "response_tokens": RaggedTensor.from_sequences([c.token_ids for c in completions_out], dtype=torch.int32),
             "response_log_probs": RaggedTensor.from_sequences([c.log_probs for c in completions_out],
                                                               dtype=torch.float32),
-            "group_id": group_id.to(torch.int64),
-            "trajectory_id": trajectory_id.to(torch.int64),
+            "group_id": round_.first_group_id + prompt_index,
+            # every group has group_size rows: row j of group k is the round's k * G + j
+            "trajectory_id": round_.first_trajectory_id + prompt_index * cfg.group_size + member,
             "step": torch.zeros(n, dtype=torch.int32),
             "reward": reward,
             "done": torch.ones(n, dtype=torch.bool),
@@ -149,20 +147,15 @@ class SingleTurn:
         def mean(values: torch.Tensor) -> float:  # 0 for a round whose every group was dropped
             return float(values.float().mean()) if values.numel() else 0.0
 
-        metrics = {
-            "rows": float(rows),
-            "rows_per_s": rows / max(elapsed, 1e-9),
-            "generate_s": round_.turns.busy_s,
+        return {
             "reward_s": round_.rows_s,
             "reward_mean": mean(reward),
             "reward_std": float(reward.std(unbiased=False)) if rows else 0.0,
             "groups_with_signal": mean(group_std > 0),
             "response_len_mean": mean(batch["response_tokens"].lengths()) if rows else 0.0,
             "terminated_frac": mean(batch["terminated"]) if rows else 0.0,
+            **{f"reward/{name}": mean(values) for name, values in parts.items()},
         }
-        for name, values in parts.items():
-            metrics[f"reward/{name}"] = mean(values)
-        return metrics
 
 
 @dataclass
@@ -270,9 +263,8 @@ class Environments:
 
     def metrics(self, collector, round_, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor],
                 elapsed: float) -> dict[str, float]:
-        """Rows, rewards, turns, tool calls and failures of the round; ``generate_s``: seconds the engine
-        had at least one turn to sample, ``engine_idle_share`` the rest of the round, as a share of it."""
-        generate_s = round_.turns.busy_s
+        """Rewards, turns, tool calls and failures of the round; ``engine_idle_share``: the share of the
+        round in which the engine had no turn to sample."""
         episodes, m = round_.rollout.episodes, round_.rollout.metrics
         n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
         returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
@@ -280,13 +272,8 @@ class Environments:
         group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 and episodes else torch.zeros(1)
         turns = torch.tensor([len(e.turns) for e in episodes] or [0], dtype=torch.float64)
         calls = [sum(len(t.tool_calls) for t in e.turns) for e in episodes]
-        rows = 0 if batch is None else len(batch)
-        metrics = {
-            "rows": float(rows),
-            "rows_per_s": rows / max(elapsed, 1e-9),
-            "round_s": elapsed,
-            "generate_s": generate_s,
-            "engine_idle_share": max(0.0, 1.0 - generate_s / max(elapsed, 1e-9)),
+        return {
+            "engine_idle_share": max(0.0, 1.0 - round_.turns.busy_s / max(elapsed, 1e-9)),
             "reward_mean": float(returns.mean()),
             "reward_std": float(returns.std(unbiased=False)),
             "groups_with_signal": float((group_std > 0).double().mean()),
@@ -300,8 +287,6 @@ class Environments:
             "retokenization_drift": float(m["retokenization_drift"]),
             "template_mismatch": float(m["template_mismatch"]),
             "environment_timeouts": float(m["environment_timeouts"]),
+            **{name: float(count) for name, count in sorted(m.items())  # reason/env_done..., tools/ok, dropped/...
+               if name.startswith(("reason/", "tools/", "dropped/"))},
         }
-        for name, count in sorted(m.items()):  # reason/env_done..., tools/ok, dropped/step_failed...
-            if name.startswith(("reason/", "tools/", "dropped/")):
-                metrics[name] = float(count)
-        return metrics
