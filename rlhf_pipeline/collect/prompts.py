@@ -158,7 +158,7 @@ class RecordCycle:
     def __len__(self) -> int:
         return len(self._items)
 
-    def _take(self, n: int) -> list:
+    def next_batch(self, n: int) -> list:
         """The next ``n`` records, crossing epoch boundaries as needed."""
         out = []
         for _ in range(n):
@@ -201,10 +201,6 @@ class PromptSource(RecordCycle):
         self.records = validate_prompts(records, required_fields=required_fields)
         super().__init__(self.records, seed=seed, shuffle=shuffle)
 
-    def next_batch(self, n: int) -> list[PromptRecord]:
-        """The next ``n`` prompts (crossing epoch boundaries as needed)."""
-        return self._take(n)
-
 
 class TaskSource(RecordCycle):
     """Cycles over task records (what an agent environment's ``reset`` takes, e.g. ``{"question",
@@ -225,6 +221,5 @@ class TaskSource(RecordCycle):
         super().__init__(self.tasks, seed=seed, shuffle=shuffle)
 
     def next_batch(self, n: int) -> list[dict[str, Any]]:
-        """The next ``n`` tasks (crossing epoch boundaries as needed); copies, so an environment
-        that edits its task changes nothing here."""
-        return [dict(task) for task in self._take(n)]
+        """The next ``n`` tasks, copies, so an environment that edits its task changes nothing here."""
+        return [dict(task) for task in super().next_batch(n)]
