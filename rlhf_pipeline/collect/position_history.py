@@ -16,7 +16,6 @@ from rlhf_pipeline.coordination.branch_weights import held_version
 from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.storage import writer_state as writer_states
 
-HISTORY_SUFFIX = ".history"
 _ENTRY = re.compile(r"row_(\d{12})\.pt$")
 # the weights of a version a history made before the learner kept them held: a link (a run directory) or a copy (a URL)
 _KEPT_WEIGHTS = re.compile(r"^policy_(\d{8})(\.safetensors|\.pt)?$")
@@ -24,8 +23,7 @@ _KEPT_WEIGHTS = re.compile(r"^policy_(\d{8})(\.safetensors|\.pt)?$")
 
 def history_key(position_key: str) -> str:
     """The history's key prefix beside the position file ``collector/shard-0000.pt``."""
-    stem = position_key[:-3] if position_key.endswith(".pt") else position_key
-    return stem + HISTORY_SUFFIX
+    return position_key.removesuffix(".pt") + ".history"
 
 
 class PositionHistory:
@@ -67,10 +65,9 @@ class PositionHistory:
     def state_at(self, next_row: int) -> dict[str, Any] | None:
         """``{"committed": collector state, "loop": its runner's state, "pending_rows": rows of groups
         not whole yet in its write path}`` at ``next_row``, or None when none is kept."""
-        data = self._store.read(self._key(next_row))
-        return None if data is None else self._decode(data, self._key(next_row))
-
-    def _decode(self, data: bytes, key: str) -> dict[str, Any]:
+        key = self._key(next_row)
+        if (data := self._store.read(key)) is None:
+            return None
         published = writer_states.decode(data, self._store.describe(key), remedy=(
             "a branch cannot then continue online from the step it was kept for: branch from another kept step, "
             "or continue offline with rlhf-pipeline replay"))
