@@ -18,10 +18,6 @@ import torch
 
 from rlhf_pipeline.schema import TrajectoryBatch
 
-WriteChunk = Callable[[list[Any], bool], None]
-"""``write(groups, last)``: one append of consecutive groups of the round; ``last`` for the chunk that
-completes it."""
-
 
 @dataclass
 class StreamTiming:
@@ -58,9 +54,11 @@ class StreamTiming:
 
 class InOrderCommit:
     """:meth:`add` each list of groups that ended together as it comes (each with an ``index``, its
-    place in the round), :meth:`finish` once the round's episodes are all done."""
+    place in the round), :meth:`finish` once the round's episodes are all done. ``write(groups, last)``:
+    one append of consecutive groups of the round; ``last`` for the chunk that completes it."""
 
-    def __init__(self, count: int, write: WriteChunk, timing: StreamTiming | None = None) -> None:
+    def __init__(self, count: int, write: Callable[[list[Any], bool], None],
+                 timing: StreamTiming | None = None) -> None:
         self.count = count
         self.write = write
         self.timing = timing or StreamTiming()
