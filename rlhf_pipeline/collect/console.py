@@ -58,7 +58,7 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
             if not state["warned"]:  # once per stretch of rounds in which every call fails
                 say(f"{tag} warning: every tool call of round {round_number} failed ({calls} of {calls}); "
                     f"the first failure of each kind:", stream)
-                say_errors()
+                say_errors(tag)
             state["warned"] = True
         elif ok:
             state["warned"] = False
@@ -69,10 +69,9 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
                 f"{m.get('reward_mean', float('nan')):.3f}, tool-call rate {m.get('tool_call_rate', 0.0):.2f}, "
                 f"tool errors {calls - ok}/{calls}, turns/episode {m.get('turns_per_episode', 0.0):.2f}, "
                 f"ends: {reasons}", stream)
-            say_errors()
+            say_errors(tag)
 
-    def say_errors() -> None:
-        tag = collector_tag(collector_index)
+    def say_errors(tag: str) -> None:
         for kind, message in since_line.items():
             say(f"{tag}   first {kind} error: {_one_line(message)}", stream)
         since_line.clear()

@@ -11,6 +11,7 @@ and returning the reward callable, in ``REWARDS``.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -50,7 +51,7 @@ def extract_number(text: str) -> float | None:
 
 
 # ======================================================================== verifiable rewards
-def _answers(fields: Mapping[str, Any], name: str, n: int) -> Sequence[Any]:
+def _answers(fields: Mapping[str, Any], name: str) -> Sequence[Any]:
     if "answer" not in fields:
         raise RewardError(
             f"reward {name!r} needs an 'answer' field on every prompt (e.g. {{\"messages\": [...], "
@@ -61,13 +62,13 @@ def _answers(fields: Mapping[str, Any], name: str, n: int) -> Sequence[Any]:
 
 def exact_match(prompts: Sequence[str], completions: Sequence[str], **fields) -> list[float]:
     """1.0 when ``completion.strip() == str(answer).strip()``, else 0.0."""
-    answers = _answers(fields, "exact_match", len(completions))
+    answers = _answers(fields, "exact_match")
     return [float(c.strip() == str(a).strip()) for c, a in zip(completions, answers)]
 
 
 def numeric_match(prompts: Sequence[str], completions: Sequence[str], *, tolerance: float = 1e-6, **fields) -> list[float]:
     """1.0 when :func:`extract_number` of the completion is within ``tolerance`` of ``answer``."""
-    answers = _answers(fields, "numeric_match", len(completions))
+    answers = _answers(fields, "numeric_match")
     out = []
     for c, a in zip(completions, answers):
         got = extract_number(c)
@@ -101,9 +102,7 @@ def length_penalty(max_chars: int) -> RewardFn:
 
 REWARDS: dict[str, Callable[..., RewardFn]] = {
     "exact_match": lambda: exact_match,
-    "numeric_match": lambda tolerance=1e-6: (
-        lambda prompts, completions, **f: numeric_match(prompts, completions, tolerance=tolerance, **f)
-    ),
+    "numeric_match": lambda tolerance=1e-6: functools.partial(numeric_match, tolerance=tolerance),
     "format": regex_reward,
     "length_penalty": length_penalty,
 }
