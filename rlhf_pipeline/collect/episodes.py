@@ -42,8 +42,8 @@ class RoundRows:
     batch: TrajectoryBatch | None
     """None: every one of them was dropped."""
     dropped: list[tuple[int, str, str]]
-    """``(group id, reason, one line)`` of each dropped group (its reason only, for an agent group:
-    what failed is known once the round's episodes all ended)."""
+    """``(group id, reason, one line)`` of each dropped group (an agent group's id only: what failed is
+    known once the round's episodes all ended)."""
     parts: dict[str, torch.Tensor] = field(default_factory=dict)
     """A single-turn round's reward parts, per row kept."""
 

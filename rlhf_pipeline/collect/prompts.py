@@ -41,12 +41,10 @@ class PromptRecord:
             return list(ids)
         return list(tokenizer(self.text, add_special_tokens=False)["input_ids"])
 
-    def display_text(self, tokenizer=None) -> str:
+    def display_text(self, tokenizer) -> str:
         """The prompt as stored in ``prompt_text``: the rendered template, or the raw text."""
-        if self.messages is not None and tokenizer is not None:
-            return tokenizer.apply_chat_template(list(self.messages), add_generation_prompt=True, tokenize=False)
         if self.messages is not None:
-            return "\n".join(f"{m['role']}: {m['content']}" for m in self.messages)
+            return tokenizer.apply_chat_template(list(self.messages), add_generation_prompt=True, tokenize=False)
         return self.text
 
 
