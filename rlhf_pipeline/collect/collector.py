@@ -109,8 +109,7 @@ class Collector:
     :class:`Environments`."""
 
     def __init__(self, model: Any, tokenizer, tasks: RecordCycle, episodes: SingleTurn | Environments,
-                 sink: Sink | None, config: CollectorConfig | None = None, *, policy_version: int = 0,
-                 hooks: Sequence[MetricsHook] = ()) -> None:
+                 sink: Sink | None, config: CollectorConfig | None = None, *, hooks: Sequence[MetricsHook] = ()) -> None:
         if tokenizer.pad_token_id is None or tokenizer.eos_token_id is None:
             raise ValueError("Collector: the tokenizer needs pad_token_id and eos_token_id set")
         if not isinstance(episodes, (SingleTurn, Environments)):
@@ -129,8 +128,7 @@ class Collector:
                                  f"build the engine with the turn's stop tokens")
             self.engine = model
         else:
-            self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
-                                     policy_version=policy_version)
+            self.engine = LoopEngine(model, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops)
         self._turns = EngineTurns(self.engine, self.config.sampling)  # refuses what the engine cannot honour
         self.runner_state: dict[str, Any] = {}
         """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
