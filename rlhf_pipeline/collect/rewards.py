@@ -42,12 +42,10 @@ def extract_number(text: str) -> float | None:
 
     Thousands separators are removed (``1,234`` -> 1234.0). ``None`` when there is none.
     """
-    for pattern in (_BOXED, _HASHES):
-        found = pattern.findall(text)
-        if found:
+    for pattern in (_BOXED, _HASHES, _ANY_NUMBER):
+        if found := pattern.findall(text):
             return float(found[-1].replace(",", ""))
-    found = _ANY_NUMBER.findall(text)
-    return float(found[-1].replace(",", "")) if found else None
+    return None
 
 
 # ======================================================================== verifiable rewards
