@@ -71,9 +71,8 @@ class ShardRetention:
         self.continues_from = int(continues_from)
         self.window = sampler_window(learner)
         self.clock = RowClock((runner_state or {}).get(CLOCK_KEY))
-        self.totals = [0, 0]  # rows dropped, bytes freed by this process
         # a directory is listed in microseconds, a URL prefix in round trips: only there is a look reused
-        self.branches = BranchFloors(paths.location, store_path, buffer_location=paths.buffer_location,
+        self.branches = BranchFloors(paths.location, store_path, paths.buffer_location,
                                      rescan_s=0.0 if paths.store.is_local else RESCAN_S)
 
     @property
@@ -96,10 +95,8 @@ class ShardRetention:
                     dropped = store.drop_rows_before(cut) if cut > store.first_row else []
             held_by = held_by if floor < wanted else ""
         self.clock.forget_before(store.first_row)
-        rows, size = sum(d.rows for d in dropped), sum(d.bytes for d in dropped)
-        self.totals[0] += rows
-        self.totals[1] += size
-        return RetentionReport(rows, size, store.first_row, floor, held_by)
+        return RetentionReport(sum(d.rows for d in dropped), sum(d.bytes for d in dropped), store.first_row, floor,
+                               held_by)
 
     def _branches_settled(self) -> Any:
         """No branch appears between the look at the branches and the drop (docs/retention.md)."""
@@ -115,7 +112,7 @@ class ShardRetention:
         # rows counted as the learner counts them, as rows of the store: a floor among the parent's
         # rows (below continues_from) holds every own row
         candidates = [(max(0, row - self.continues_from), why) for row, why in counted]
-        candidates += self.branches.floors(fresh=fresh)[0]
+        candidates += self.branches.floors(fresh=fresh)
         return min(candidates, key=lambda c: c[0])
 
     def _learner_floor(self, store: Any) -> int:
@@ -146,7 +143,6 @@ class ShardRetention:
             needed = 0 if position is None else max(0, int(position) - self.window)
             floors.append((needed, f"the checkpoint of step {point['step']} (a rewind point)"))
         return floors
-
 
 
 @contextmanager
@@ -269,20 +265,19 @@ class BranchFloors:
     """The branch floors of one shard of a run, and the running replays of its buffer beside it (they
     hold every row), looked up at most once per ``rescan_s`` unless a drop is about to happen."""
 
-    def __init__(self, run: str, store_path: str, rescan_s: float = RESCAN_S,
-                 buffer_location: str | None = None) -> None:
+    def __init__(self, run: str, store_path: str, buffer_location: str, rescan_s: float) -> None:
         self.run, self.store_path, self.rescan_s = str(run).rstrip("/"), store_path, rescan_s
-        self.sources = {store_path, buffer_location or f"{self.run}/buffer"}
+        self.sources = {store_path, buffer_location}
         self._floors: list[tuple[int, str]] = []
         self._taken: float | None = None
         self._home: Any = None
-        self.looks = 0  # how many times the home was listed (metrics and tests)
+        self.looks = 0  # how many times the home was listed (tests)
 
-    def floors(self, *, fresh: bool) -> tuple[list[tuple[int, str]], bool]:
-        """``(row, why)`` per branch and running replay, and whether they were looked up just now."""
+    def floors(self, *, fresh: bool) -> list[tuple[int, str]]:
+        """``(row, why)`` per branch and running replay."""
         recent = self._taken is not None and time.monotonic() - self._taken < self.rescan_s
         if recent and not fresh:
-            return self._floors, False
+            return self._floors
         if self._home is None:  # one client for every look
             self._home, self._name = home_of(self.run)
         self._floors = []
@@ -295,7 +290,7 @@ class BranchFloors:
                 self.run, self.sources, self._home, others)]
         self._taken = time.monotonic()
         self.looks += 1
-        return self._floors, True
+        return self._floors
 
 
 def run_retention(run: str | Path) -> dict[str, Any] | None:
