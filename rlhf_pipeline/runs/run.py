@@ -97,10 +97,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads (a local store's eviction)
     if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
         return 0
-    refuse_unwritable(paths.root)  # now, not after seconds of imports and model building
     # one command at a time per run directory; `run`'s children and the ranks of a torchrun'd
     # `learn` run under the holder that started them
     holds = command == "run" or (command == "learn" and not wait_for_launcher and os.environ.get("RANK", "0") == "0")
+    if not holds:  # a holder is refused as it takes the directory: now, not after seconds of imports
+        refuse_unwritable(paths.root)
     with hold_run_directory(paths, command) if holds else nullcontext() as holder:
         if holds and paths.url is None:  # again under the lock `branch` takes while it makes a branch of it
             refuse_evicting_parent(paths.root)

@@ -106,9 +106,9 @@ class UrlRunHolder:
 def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolder:
     """Takes ``paths.root`` for ``command``, or raises :class:`RunDirectoryBusyError` naming the
     holder (pid, host, command, start time) without changing anything in the directory."""
+    refuse_unwritable(paths.root)  # at a URL, this machine's cache of the run
     if paths.url is not None:
         return _hold_run_url(paths, command)
-    refuse_unwritable(paths.root)
     created_root = not paths.root.exists()
     paths.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
