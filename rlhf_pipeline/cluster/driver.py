@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -21,7 +20,7 @@ from rlhf_pipeline.pipeline import PipelineError, RunPaths
 from rlhf_pipeline.run_settings import RaySettings
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
 from rlhf_pipeline.runs.run_directory import prepare_run, RunError
-from rlhf_pipeline.runs.summary import checkpoint_step, print_summary
+from rlhf_pipeline.runs.summary import print_interrupted, print_summary
 from rlhf_pipeline.runs.stopping import LauncherSignals
 
 INSTALL_HINT = "pip install -e '.[ray]'"
@@ -214,10 +213,7 @@ class _RayRun:
         if signals.received:
             self._stop_all()
             signum = signals.received[0]
-            reached = checkpoint_step(self.paths)
-            saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
-            print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
-                  f"resume {self.paths.location}", file=sys.stderr, flush=True)
+            print_interrupted(self.paths, signum)
             return 128 + signum
         if any(code != 0 for code in learner_codes):  # stopped early without a signal here (SIGTERM to a worker)
             self._stop_all()

@@ -41,7 +41,7 @@ from rlhf_pipeline.runs.processes import (
     set_threads,
     with_buffer_url,
 )
-from rlhf_pipeline.runs.summary import checkpoint_step, print_summary
+from rlhf_pipeline.runs.summary import print_interrupted, print_summary
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
 
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
@@ -325,10 +325,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
         return 0
     if signals.received or learner_code in (130, 143):
         signum = signals.received[0] if signals.received else learner_code - 128
-        reached = checkpoint_step(paths)
-        saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
-        print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
-              f"resume {paths.location}", file=sys.stderr, flush=True)
+        print_interrupted(paths, signum)
         return 128 + signum
     if learner_code != 0:
         raise RunError(f"the learner failed ({how_it_ended(learner_code)})")

@@ -5,16 +5,22 @@ Design: docs/pipelines.md#stopping.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from rlhf_pipeline.files.log_parts import read_log_records
 from rlhf_pipeline.files.run_paths import RunPaths
 
 
-def checkpoint_step(paths: RunPaths) -> int | None:
+def print_interrupted(paths: RunPaths, signum: int) -> None:
+    """What ``run`` (on this machine or on Ray) says when a signal stopped it: how far the learner's
+    checkpoints reached, and how to resume."""
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
 
-    return run_checkpoints(paths).latest_step()
+    reached = run_checkpoints(paths).latest_step()
+    saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
+    print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
+          f"resume {paths.location}", file=sys.stderr, flush=True)
 
 
 def reward_first_and_last(records: list[dict]) -> tuple[int, float, float]:
