@@ -115,8 +115,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGTERM, _terminated_while_preparing)
             try:
-                return _launch(module, settings, paths, pipeline_path, steps, device, overrides, collectors,
-                               holder=holder)
+                return _launch(settings, paths, pipeline_path, steps, device, overrides, collectors, holder=holder)
             finally:
                 for sig, handler in previous.items():
                     signal.signal(sig, handler)
@@ -143,7 +142,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         raise PipelineError(f"unknown command {command!r}")
 
 
-def _launch(module: Any, settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
+def _launch(settings: Any, paths: RunPaths, pipeline_path: str, steps: int | None,
             device: str | None, overrides: Sequence[str], collectors: int, *, holder: Any) -> int:
     """``run``: starts the collectors and the learner (and with ``eval.every_steps`` the evaluator), which
     import their modules and wait for ``go``; waits while the learner prepares the run directory
