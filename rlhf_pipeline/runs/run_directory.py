@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,14 @@ class RunDirectoryBusyError(RunError):
     """Another command (``run``, ``learn``, ``replay``, ``import``) holds the run directory."""
 
 
-class RunHolder:
+class _Holder(AbstractContextManager):
+    """A run's holder lets it go at the end of its ``with``."""
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class RunHolder(_Holder):
     """The one command that owns a run directory while it runs: an exclusive ``flock`` on
     ``run.lock``, taken before the command changes anything and held until it ends.
 
@@ -71,14 +78,8 @@ class RunHolder:
         finally:
             os.close(fd)  # closing the last descriptor of the open file unlocks it
 
-    def __enter__(self) -> RunHolder:
-        return self
 
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class UrlRunHolder:
+class UrlRunHolder(_Holder):
     """The one command that owns a run at a URL: ``run.lock`` there, a lease object
     (``files/run_lease.py``) renewed while the command runs. Its children inherit nothing: when
     the holder dies its lease runs out (or, on the same host, is taken over at once)."""
@@ -95,12 +96,6 @@ class UrlRunHolder:
 
     def release(self) -> None:
         self.lease.release()
-
-    def __enter__(self) -> UrlRunHolder:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
 
 
 def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolder:
