@@ -145,40 +145,36 @@ def _lock_or_wait_for_an_ending_holder(fd: int) -> bool:
         time.sleep(0.2)
 
 
-def _holder_has_ended(raw: bytes) -> bool:
+def _holder_has_ended(record: Any) -> bool:
     try:
-        record = json.loads(raw)
         return record["host"] == socket.gethostname() and not pid_running(int(record["pid"]))
     except (ValueError, KeyError, TypeError):
         return False
 
 
-def _holder_record(fd: int, wait_s: float = 1.0) -> bytes:
-    """The holder's record; a holder that has just taken the lock writes it a moment later (two
-    commands started at once meet there), so an empty or partial record is read again for up to
-    ``wait_s`` before the refusal says only that the holder is writing its details."""
+def _holder_record(fd: int, wait_s: float = 1.0) -> Any:
+    """The holder's record, parsed (None: unreadable); a holder that has just taken the lock writes it a
+    moment later (two commands started at once meet there), so an empty or partial record is read again
+    for up to ``wait_s`` before the refusal says only that the holder is writing its details."""
     deadline = time.monotonic() + wait_s
     while True:
-        raw = os.pread(fd, 4096, 0)
         try:
-            json.loads(raw)
-            return raw
+            return json.loads(os.pread(fd, 4096, 0))
         except ValueError:
             if time.monotonic() > deadline:
-                return raw
+                return None
         time.sleep(0.02)
 
 
-def _describe_holder(raw: bytes) -> str:
+def _describe_holder(record: Any) -> str:
     try:
-        record = json.loads(raw)
         described = (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
                      f"{record['started']})")
-        if _holder_has_ended(raw):
+        if _holder_has_ended(record):
             # the lock is still held, so processes it started still hold it
             described += ", which has ended while its child processes are still stopping"
         return described
-    except (ValueError, KeyError, TypeError):
+    except (KeyError, TypeError):
         return "another command (it is writing its details)"  # between its lock and its pwrite
 
 
