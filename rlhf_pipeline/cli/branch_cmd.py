@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path
+from rlhf_pipeline.cli.checks import run_or_path, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         # a name ("NAME/" too, as RUN takes one): beside its parent, in the same home (where `inspect RUN` finds it)
         name = args.new_run.rstrip("/")
         new = args.new_run if "/" in name else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{name}"
+        writable_output(new, "NEW_RUN")
         lineage = branch_run(parent, args.from_step, new, args.overrides)
     except (BranchError, RunLocationError, RunStoreError, StateFileError) as exc:
         raise CommandRefused(str(exc)) from None

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.atomic import json_object, why_unwritable
+from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError
@@ -67,8 +67,6 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
     if parent_at == new_at:
         raise BranchError(f"NEW_RUN is RUN ({new_at}); a branch is a new run: choose another name")
     parent_paths, new_paths = RunPaths.at(parent_at), RunPaths.at(new_at)
-    if new_paths.url is None and (why := why_unwritable(new_paths.root)) is not None:
-        raise BranchError(f"NEW_RUN {new_at} cannot be written: {why}; choose another NEW_RUN (or --home)")
     source, target = parent_paths.store, new_paths.store
     if not is_run(parent_at):
         raise BranchError(f"{parent_at} is not a run (no settings.json or checkpoints/); give the directory or URL "
