@@ -223,8 +223,8 @@ def _continues_in_place(home: Any, name: str, branch: str, shard: str) -> bool:
     return same and int(continues["rows"].get(name, 0)) > 0
 
 
-def running_replays(run: str, sources: set[str], home: Any, others: list[str]) -> list[str]:
-    """The runs ``others`` beside ``run`` whose ``replay`` reads one of ``sources`` (the parent's
+def running_replays(sources: set[str], home: Any, others: list[str]) -> list[str]:
+    """The runs ``others`` (in the home ``home``) whose ``replay`` reads one of ``sources`` (the parent's
     buffer or this shard: their ``settings.json`` names the source) and runs now: their ``run.lock``
     names a live process on this machine (a directory, ``runs/run_directory.py``) or is a lease not
     abandoned (a URL, ``files/run_lease.py``). Such a replay counted the rows it walks when it
@@ -287,7 +287,7 @@ class BranchFloors:
                 self.run, self.store_path, self._home, others)]
             # a running replay counted the rows it walks when it started
             self._floors += [(0, f"replay {run} (running)") for run in running_replays(
-                self.run, self.sources, self._home, others)]
+                self.sources, self._home, others)]
         self._taken = time.monotonic()
         self.looks += 1
         return self._floors
