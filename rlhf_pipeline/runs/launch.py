@@ -234,14 +234,10 @@ class Children:
         finally:
             os.close(stop_read)  # only the children read it: its end of file must mean we are gone
             os.close(status_write)  # only the learner writes: end of file means it exited
-        children._place(started, collectors, learner_ranks)
+        children.collectors = dict(enumerate(started[:collectors]))  # by kind, in the order of specs
+        children.learners = started[collectors:collectors + learner_ranks]
+        children.evaluator = next(iter(started[collectors + learner_ranks:]), None)
         return children
-
-    def _place(self, started: list[subprocess.Popen], collectors: int, learner_ranks: int) -> None:
-        """The started children by kind, in the order :meth:`start` made them."""
-        self.collectors = dict(enumerate(started[:collectors]))
-        self.learners = started[collectors:collectors + learner_ranks]
-        self.evaluator = next(iter(started[collectors + learner_ranks:]), None)
 
     def wait_for_learner(self, event: str) -> dict | None:
         """Blocks until the learner reports ``event`` or an ``ERROR`` and returns that report; None
