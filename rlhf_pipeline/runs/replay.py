@@ -281,7 +281,6 @@ def _replay_record(options: ReplayOptions, source: str, store, rows: int, steps:
     record.update(
         buffer=source, backend=store.backend_name, rows=rows, first_row=int(store.first_row),
         next_row=int(store.next_row), steps=steps,
-        seed=options.seed,
         staleness_bound="none: the rows' policy versions belong to the run that recorded them",
         learner=settings_to_json(learner),
     )
