@@ -38,9 +38,7 @@ class StopFlag:
         self.event = threading.Event()
         self.signal: int | None = None  # the first signal received
         self.launcher_stopped = False
-        self._previous = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGINT, signal.SIGTERM)}
         if self.launcher_fd is not None:
             threading.Thread(target=self._watch_launcher, args=(self.launcher_fd,), daemon=True,
                              name="launcher-watch").start()
