@@ -298,10 +298,9 @@ def thread_name(argv: Sequence[str], env: Mapping[str, str] | None = None) -> st
     ``ps -o comm`` shows of a forked child (at most 15 characters)."""
     if argv[0] == "eval":
         return "rlhf-eval"
-    rank = (env or {}).get("RANK", "0")
-    if argv[0] == "replay":
-        return "rlhf-replay" if rank == "0" else f"rlhf-replay-{rank}"[:15]
     if argv[0] == "collect":
-        k = argv[argv.index("--collector-index") + 1] if "--collector-index" in argv else "0"
-        return "rlhf-collect" if k == "0" else f"rlhf-collect-{k}"[:15]
-    return "rlhf-learn" if rank == "0" else f"rlhf-learn-{rank}"[:15]
+        number = argv[argv.index("--collector-index") + 1] if "--collector-index" in argv else "0"
+    else:
+        number = (env or {}).get("RANK", "0")
+    role = "rlhf-replay" if argv[0] == "replay" else "rlhf-collect" if argv[0] == "collect" else "rlhf-learn"
+    return role if number == "0" else f"{role}-{number}"[:15]
