@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.run_paths import run_paths
+from rlhf_pipeline.files.state_files import StateFileError
 from rlhf_pipeline.pipeline import (
     PipelineError,
     RunPaths,
@@ -24,7 +25,9 @@ from rlhf_pipeline.pipeline import (
     with_flags,
     zarr_where_the_buffer_is_a_url,
 )
+from rlhf_pipeline.runs import launch
 from rlhf_pipeline.runs.devices import check_cuda_device
+from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
     hold_run_directory,
@@ -61,9 +64,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     knows no Ray: the cluster package builds on it, not the other way round. ``collector_index``: which
     collector ``collect`` is (None: 0, the run's only one, named ``[collector]`` in its lines)."""
     if wait_for_launcher:  # a child of `run`, started before the run directory was ready
-        from rlhf_pipeline.runs.launch import wait_for_launcher as wait
-
-        if not wait(command, prepares=status_fd is not None):
+        if not launch.wait_for_launcher(command, prepares=status_fd is not None):
             return 0  # run's checks failed or it was interrupted; it says why
     if collectors < 1:
         raise PipelineError(f"--collectors must be >= 1, got {collectors}")
@@ -147,9 +148,6 @@ def _launch(settings: Any, paths: RunPaths, pipeline_path: str, steps: int | Non
     """``run``: starts the collectors and the learner (and with ``eval.every_steps`` the evaluator), which
     import their modules and wait for ``go``; waits while the learner prepares the run directory
     (collectors go once it exists), then watches them."""
-    from rlhf_pipeline.runs.forking import ForkError
-    from rlhf_pipeline.runs.launch import Children, evaluator_argv
-
     paths.clear_stop()
     common = [pipeline_path, "--home", paths.home, "--run-name", paths.name,
               *(["--device", device] if device is not None else []), *(w for s in overrides for w in ("--set", s))]
@@ -157,10 +155,10 @@ def _launch(settings: Any, paths: RunPaths, pipeline_path: str, steps: int | Non
     # learner reads the union of the shards. The children inherit the run directory's holder lock: it
     # outlives a launcher killed before them
     try:
-        children = Children.start(common, ["--steps", str(steps)] if steps is not None else [], collectors,
-                                  settings.learner.world_size, keep_fds=(holder.fd,) if holder.fd >= 0 else (),
-                                  evaluator=evaluator_argv(paths.location, overrides) if settings.eval.enabled
-                                  else None)
+        children = launch.Children.start(
+            common, ["--steps", str(steps)] if steps is not None else [], collectors, settings.learner.world_size,
+            keep_fds=(holder.fd,) if holder.fd >= 0 else (),
+            evaluator=launch.evaluator_argv(paths.location, overrides) if settings.eval.enabled else None)
     except ForkError as exc:
         raise RunError(str(exc)) from None
     try:
@@ -190,16 +188,14 @@ def check_settings(module: Any, settings: Any) -> None:
 def wait_for_preparation(children: Any) -> None:
     """Launcher side of :func:`prepare_for_launcher`: lets the collectors go once the run directory
     exists, returns once weights version 0 is published; raises the learner's error as ``run``'s."""
-    from rlhf_pipeline.runs.launch import ERROR, PREPARED, READY, how_it_ended
-
-    for event in (PREPARED, READY):
+    for event in (launch.PREPARED, launch.READY):
         report = children.wait_for_learner(event)
         if report is None:
             code = children.learner.wait()
-            raise RunError(f"the learner ended while preparing the run ({how_it_ended(code)})")
-        if report["event"] == ERROR:
+            raise RunError(f"the learner ended while preparing the run ({launch.how_it_ended(code)})")
+        if report["event"] == launch.ERROR:
             raise _learner_error(report)
-        if event == PREPARED:
+        if event == launch.PREPARED:
             # the collectors (and the evaluator) build their side and wait for weights version 0
             children.go([*children.collectors.values(), *children.helpers])
     children.go()  # the other learner ranks start from version 0 (rank 0 needs no "go")
@@ -207,8 +203,6 @@ def wait_for_preparation(children: Any) -> None:
 
 def _learner_error(report: dict) -> Exception:
     """The exception the learner reported, as ``run`` would have raised it itself."""
-    from rlhf_pipeline.files.state_files import StateFileError
-
     kind, message = report.get("kind"), report.get("message", "")
     if report.get("errno") is not None:
         return OSError(report["errno"], report.get("strerror"), report.get("filename"))
@@ -221,24 +215,21 @@ def prepare_for_launcher(module: Any, settings: Any, paths: RunPaths, collectors
     directory for ``collectors`` shards, warm-starts and publishes weights version 0, reporting
     each stage to ``run`` on ``status_fd``; then learns. A failed check is reported, not printed
     (``run`` prints it), and exits 2."""
-    from rlhf_pipeline.runs.launch import PREPARED, READY, LauncherReports
-    from rlhf_pipeline.files.state_files import StateFileError
-
-    reports = LauncherReports(status_fd)
+    reports = launch.LauncherReports(status_fd)
     try:
         try:
             pipeline = build_pipeline(module, settings, paths)
             paths = with_buffer_url(paths, pipeline)
             set_threads(pipeline)  # before the warm start
             prepare_run_directory(pipeline, paths, shards=range(collectors))
-            reports.send(PREPARED)
+            reports.send(launch.PREPARED)
             # the pipeline's make_policy (its warm start, its initial weights) may refuse too
             initial_policy = publish_initial_policy(pipeline, paths)
         except (PipelineError, RunError, StateFileError, OSError) as exc:
             if reports.error(exc):
                 return 2
             raise  # the launcher is gone: say it here
-        reports.send(READY)
+        reports.send(launch.READY)
         reports.close()
     except KeyboardInterrupt:  # Ctrl-C reached the whole process group; the launcher reports it
         return 130
@@ -266,8 +257,6 @@ def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
 # ====================================================================== both
 def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[[], bool] = lambda: False) -> int:
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
-    from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S, evaluator_exited, how_it_ended, stop_ranks
-
     collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     evaluator, evaluator_said = children.evaluator, False
     stop_write = children.stop_write
@@ -280,10 +269,10 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
         while not signals.received and learner.poll() is None:
             if evaluator is not None and evaluator.poll() not in (None, 0) and not evaluator_said:
                 evaluator_said = True  # an evaluation never stops training
-                print(evaluator_exited(evaluator.returncode, paths.location), file=sys.stderr, flush=True)
+                print(launch.evaluator_exited(evaluator.returncode, paths.location), file=sys.stderr, flush=True)
             if any(p.poll() not in (None, 0) for p in ranks):
                 # a failed data-parallel rank leaves the others in a collective that never ends
-                stop_ranks(ranks)
+                launch.stop_ranks(ranks)
                 break
             if holder_lost():
                 # a run at a URL: another command took the run over (this one's lease ran out unrenewed)
@@ -298,7 +287,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 # a collector died: stop the learner (it checkpoints) and the other collectors
                 stop_children(stop_write, processes, signals)
                 name = "the collector" if collectors == 1 else f"collector {k}"
-                raise RunError(f"{name} ended early ({how_it_ended(code)}). The learner saved a checkpoint: "
+                raise RunError(f"{name} ended early ({launch.how_it_ended(code)}). The learner saved a checkpoint: "
                                f"once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
@@ -308,9 +297,9 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
             for p in collector_procs.values():
                 wait_quietly(p, timeout=120.0)
             if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
-                wait_quietly(evaluator, timeout=EVALUATOR_FINISH_S)
+                wait_quietly(evaluator, timeout=launch.EVALUATOR_FINISH_S)
                 if evaluator.returncode not in (None, 0) and not evaluator_said:
-                    print(evaluator_exited(evaluator.returncode, paths.location, training_done=True),
+                    print(launch.evaluator_exited(evaluator.returncode, paths.location, training_done=True),
                           file=sys.stderr, flush=True)
     finally:
         signals.restore()
@@ -327,7 +316,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
         print_interrupted(paths, signum)
         return 128 + signum
     if learner_code != 0:
-        raise RunError(f"the learner failed ({how_it_ended(learner_code)})")
-    raise RunError("; ".join(f"collector {k} failed ({how_it_ended(c)})" for k, c in failed.items()))
+        raise RunError(f"the learner failed ({launch.how_it_ended(learner_code)})")
+    raise RunError("; ".join(f"collector {k} failed ({launch.how_it_ended(c)})" for k, c in failed.items()))
 
 
