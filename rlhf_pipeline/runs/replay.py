@@ -14,13 +14,14 @@ import io
 import json
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_paths
+from rlhf_pipeline.files.run_paths import RunLocationError, is_url, resolved_location, run_paths
 from rlhf_pipeline.files.run_store import StaleWriterError
-from rlhf_pipeline.files.settings_history import saved_settings
+from rlhf_pipeline.files.settings_history import record_resume, saved_settings, settings_in_force
 from rlhf_pipeline.pipeline import (
     PipelineError,
     RunPaths,
@@ -32,8 +33,15 @@ from rlhf_pipeline.pipeline import (
     with_flags,
     zarr_where_the_buffer_is_a_url,
 )
+from rlhf_pipeline.runs.branch import half_made_branch, offline_branch_of
 from rlhf_pipeline.runs.devices import check_cuda_device
+from rlhf_pipeline.runs.launch import how_it_ended, start_ranks, stop_ranks
+from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run, read_parent, run_store_at
+from rlhf_pipeline.runs.processes import build_pipeline, set_threads
 from rlhf_pipeline.runs.replay_options import ReplayOptions
+from rlhf_pipeline.runs.run_directory import hold_run_directory, keep_pipeline_copy, run_lock
+from rlhf_pipeline.runs.setting_changes import settings_changes
+from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children
 
 # replay options a resumed replay may change: how long it runs
 _RESUMABLE_OPTIONS = {"epochs", "steps"}
@@ -71,19 +79,13 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         if recorded_backend not in (None, getattr(settings, "buffer_backend", recorded_backend)):
             cli_overrides.append(f"buffer_backend={recorded_backend}")
             settings = make_settings(module, cli_overrides)
-    from rlhf_pipeline.runs.branch import half_made_branch
-
     if (half_made := half_made_branch(paths)) is not None:
         raise ReplayError(half_made)
     if "WORLD_SIZE" in os.environ:  # a rank started by _train_on_ranks: its launcher holds the directory
-        from rlhf_pipeline.runs.stopping import StopFlag
-
         StopFlag.launcher_fd = stop_fd
         quiet = os.environ.get("RANK", "0") != "0"  # rank 0 alone says what the replay does
         with contextlib.redirect_stderr(io.StringIO()) if quiet else contextlib.nullcontext():
             return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device)
-    from rlhf_pipeline.runs.run_directory import hold_run_directory
-
     with hold_run_directory(paths, "replay") as holder:
         return _replay(module, settings, pipeline_path, options, paths, cli_overrides, overrides, device,
                        holder_fd=holder.fd)
@@ -91,8 +93,6 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
 
 def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths: RunPaths,
             cli_overrides: list[str], overrides: Sequence[str], device: str | None, holder_fd: int = -1) -> int:
-    from rlhf_pipeline.runs.processes import build_pipeline
-
     rank = "WORLD_SIZE" in os.environ
     # a rank repeats the checks and the preparation, silently: its launcher said what this replay does
     with contextlib.redirect_stderr(io.StringIO()) if rank else contextlib.nullcontext():
@@ -141,11 +141,6 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
     command ``argv`` (this replay's) under this process's stop pipe (``launch.start_ranks``), and
     watches them: a failed rank stops the others; a signal here asks every rank to stop, and they
     checkpoint at the same step; this process killed, they do so on their own."""
-    import time
-
-    from rlhf_pipeline.runs.launch import start_ranks, stop_ranks
-    from rlhf_pipeline.runs.stopping import LauncherSignals, stop_children
-
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
     ranks, stop_write = start_ranks(argv, world_size, keep_fds=(holder_fd,) if holder_fd >= 0 else ())
     signals = LauncherSignals("replay")  # a signal before it ends this process: the pipe's end stops them
@@ -164,8 +159,6 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
         return 128 + signals.received[0]
     if failed:
         rank, code = failed[0]
-        from rlhf_pipeline.runs.launch import how_it_ended
-
         raise ReplayError(f"data-parallel rank {rank} of the replay failed ({how_it_ended(code)})")
     return 0
 
@@ -180,8 +173,6 @@ def source_location(buffer: str) -> str:
             raise ReplayError(f"--buffer {buffer!r} does not exist; pass a replay buffer directory, a Zarr "
                               f".zip or URL, a run's buffer/ directory, or the run itself")
         location = str(path.resolve())
-    from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run
-
     try:
         run_buffer = buffer_of_run(location)
     except KeepsNoBuffer as exc:
@@ -294,8 +285,6 @@ def _replay_record(options: ReplayOptions, source: str, store, rows: int, steps:
 def _saved_replay(paths: RunPaths) -> dict[str, Any] | None:
     """The replay record of a resumed replay; None for a new one, or for a branch of a run with
     collectors replayed for the first time (its settings are its parent's, ``runs/branch.py``)."""
-    from rlhf_pipeline.runs.branch import offline_branch_of
-
     saved = saved_settings(paths.store)
     if saved is None or ("replay" not in saved and offline_branch_of(paths) is not None):
         return None
@@ -309,7 +298,6 @@ def _resumes_parents_checkpoint(paths: RunPaths) -> bool:
     """A branch of a run with collectors whose newest checkpoint is still its parent's: that one saw
     the parent's buffer, not the selection of its rows the branch replays."""
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.runs.branch import offline_branch_of
 
     lineage = offline_branch_of(paths)
     return lineage is not None and run_checkpoints(paths).latest_step() == int(lineage["step"])
@@ -319,10 +307,6 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
     """Writes ``settings.json`` with the replay's record (or checks a resumed replay against it) and
     publishes version 0; returns the model it published (the learner trains it without loading it
     again), else None."""
-    from rlhf_pipeline.runs.processes import set_threads
-    from rlhf_pipeline.runs.run_directory import keep_pipeline_copy, run_lock
-    from rlhf_pipeline.runs.setting_changes import settings_changes
-    from rlhf_pipeline.files.settings_history import record_resume, settings_in_force
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.coordination.weights import latest_version, publish_weights
 
@@ -402,8 +386,6 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     first checkpoint: a buffer recorded by ``collect`` alone, a short run) and was made with this
     replay's settings, so ``make_policy()`` would build those weights again; else ``(None, why not)``."""
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
-    from rlhf_pipeline.files.run_paths import resolved_location
-    from rlhf_pipeline.runs.lineage import is_run, read_parent, run_store_at
 
     location = resolved_location(str(Path(source).expanduser()) if not is_url(source) else source).rstrip("/")
     buffers = (location, location.rpartition("/")[0])  # the buffer, or the buffer of a shard given
@@ -482,7 +464,6 @@ def _train(pipeline, paths: RunPaths, options: ReplayOptions, learner_settings, 
     from rlhf_pipeline.learn.distributed import DataParallel
     from rlhf_pipeline.learn.learner import BufferSource, Learner
     from rlhf_pipeline.learn.metrics import MetricsWriter, truncate_metrics
-    from rlhf_pipeline.runs.stopping import StopFlag
 
     # one of learner.world_size ranks (_train_on_ranks) or of torchrun's; one rank otherwise
     data_parallel = DataParallel.from_torchrun_env()
