@@ -22,8 +22,10 @@ from typing import Any
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
-from rlhf_pipeline.files.state_files import StateFileError
-from rlhf_pipeline.pipeline import split_override
+from rlhf_pipeline.files.state_files import StateFileError, load_state_bytes
+from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json, split_override
+from rlhf_pipeline.runs.branch_command import branch_message, offline_command
+from rlhf_pipeline.runs.branch_online import prepare_online_branch
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
     BRANCH_FORMAT,
@@ -36,7 +38,9 @@ from rlhf_pipeline.runs.lineage import (
     read_parent,
     resolved_location,
 )
-from rlhf_pipeline.runs.run_directory import RunError
+from rlhf_pipeline.runs.pipeline_copy import load_copy
+from rlhf_pipeline.runs.retention import wait_for_drops
+from rlhf_pipeline.runs.run_directory import HOLDER_FILE, RunError
 from rlhf_pipeline.runs.setting_changes import may_change_on_resume
 
 _LOGS = ("metrics.jsonl", "batches.jsonl")
@@ -184,8 +188,6 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
     """The parent's ``settings.json`` with ``overrides`` applied (names and values checked by the
     parent's copy of its pipeline file; the learner checks the whole at its start), and what changed
     as ``key: was A, now B`` lines."""
-    from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json
-
     for item in overrides:
         try:
             split_override(item)
@@ -193,8 +195,6 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
             raise BranchError(str(exc)) from None
     if not overrides:
         return saved, []
-    from rlhf_pipeline.runs.pipeline_copy import load_copy
-
     try:
         module = load_copy(parent)
         defaults, was = make_settings(module), flat_settings(saved)
@@ -284,8 +284,6 @@ def _copy_weights(source: Any, target: Any, checkpoint: str, version: int | None
     if name is not None:
         target.copy(f"{WEIGHTS}/{name}", f"{WEIGHTS}/{name}", source=source)
         return
-    from rlhf_pipeline.files.state_files import load_state_bytes
-
     state = load_state_bytes(target.read(checkpoint), what="learner checkpoint", where=target.describe(checkpoint),
                              legacy_numpy_arrays=True)
     publish_weights(target, state["model"], int(state["progress"]["policy_version"]))
@@ -325,8 +323,6 @@ def _parent_rows(parent: RunPaths, buffer: str, new: RunPaths, lineage: dict[str
             target.copy(key, key, source=source)
         return
     if not source.is_local:  # no lock there: our branch.making is up, so a drop decided from here on sees it
-        from rlhf_pipeline.runs.retention import wait_for_drops
-
         wait_for_drops(source, lineage["buffer_rows"].keys())
     # written in the branch's directory (a URL's: this machine's cache of it), then put in its store
     local = new.root / PARENT_ROWS
@@ -379,9 +375,6 @@ def start_online(paths: RunPaths) -> None:
         raise BranchError(half_made)
     lineage = offline_branch_of(paths)
     if lineage is not None:
-        from rlhf_pipeline.runs.branch_command import offline_command
-        from rlhf_pipeline.runs.branch_online import prepare_online_branch
-
         prepare_online_branch(paths, lineage,
                               lambda: offline_command(paths, lineage, f"{paths.location}/{PARENT_ROWS}"))
 
@@ -389,8 +382,6 @@ def start_online(paths: RunPaths) -> None:
 def main_message(new: str, lineage: dict[str, Any]) -> None:
     """What ``branch`` prints: where from, and the parent's command that continues the branch
     (``runs/branch_command.py``)."""
-    from rlhf_pipeline.runs.branch_command import branch_message
-
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
     print(f"[branch] {branch_message(new, lineage)}", file=sys.stderr)
@@ -432,8 +423,6 @@ def evicting_parent_stopped(parent: RunPaths) -> Iterator[None]:
     running and does not start until the branch exists, and its start then refuses to evict the
     rows the branch reads. A running parent is refused by name. (Eviction is a local store's: a
     store at a URL bounds its rows with retention, which holds a branch's rows.)"""
-    from rlhf_pipeline.runs.run_directory import HOLDER_FILE
-
     evicting = _evicting_shards(parent.root) if parent.store.is_local else []
     if not evicting or not (parent.root / HOLDER_FILE).is_file():
         yield

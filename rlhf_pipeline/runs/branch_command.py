@@ -14,8 +14,12 @@ from __future__ import annotations
 import shlex
 from typing import Any
 
-from rlhf_pipeline.files.settings_history import saved_settings
+from rlhf_pipeline.files.run_paths import RunPaths
+from rlhf_pipeline.files.settings_history import flat_settings, saved_settings
+from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json, zarr_where_the_buffer_is_a_url
 from rlhf_pipeline.runs.lineage import PARENT_ROWS
+from rlhf_pipeline.runs.pipeline_copy import load_copy
+from rlhf_pipeline.runs.replay_options import ReplayOptions
 
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
 _REPLAY_FLAGS_SET = ("steps",)
@@ -27,9 +31,6 @@ def recorded_sets(settings: dict[str, Any], module: Any, *, run_at_a_url: bool =
     ``buffer_backend=zarr`` not where the buffer is at a URL (``run_at_a_url``, or ``buffer_url``),
     which makes it so. Checked by applying them: a value ``--set`` cannot give back raises
     ``ValueError`` naming it."""
-    from rlhf_pipeline.pipeline import make_settings, settings_to_json, zarr_where_the_buffer_is_a_url
-    from rlhf_pipeline.files.settings_history import flat_settings
-
     wanted = flat_settings({k: v for k, v in settings.items() if k != "replay"})
 
     def differing(defaults: dict[str, Any]) -> list[str]:
@@ -64,8 +65,6 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
     machine may continue it), or where the copy imports modules beside it (they load from
     ``pipeline_modules/`` only in a run's start). ``PipelineError``, ``ValueError`` or ``OSError``
     when it cannot be rebuilt."""
-    from rlhf_pipeline.runs.pipeline_copy import load_copy
-
     local = paths.url is None and not (paths.root / "pipeline_modules").exists()
     pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
     settings = saved_settings(paths.store)
@@ -77,8 +76,6 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
                    for word in ("--set", item)]
     place = ["--home", paths.home, "--run-name", paths.name]
     if lineage.get("replay_source") is not None:
-        from rlhf_pipeline.runs.replay_options import ReplayOptions
-
         flags = ReplayOptions.recorded(settings.get("replay", {})).flags()  # each given back as recorded
         return {"replay": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", lineage["replay_source"],
                                       *flags, *place, *replay_sets])}
@@ -92,9 +89,6 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
 def branch_message(new: str, lineage: dict[str, Any]) -> str:
     """The line ``branch`` ends with: how to continue the branch at ``new``, the parent's command
     with every setting it was started with and the branch's changes."""
-    from rlhf_pipeline.files.run_paths import RunPaths
-    from rlhf_pipeline.pipeline import PipelineError
-
     step = lineage["step"]
     try:
         commands = branch_commands(RunPaths.at(new), lineage, f"{new}/{PARENT_ROWS}")
@@ -115,8 +109,6 @@ def branch_message(new: str, lineage: dict[str, Any]) -> str:
 def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:
     """The ``replay`` command that continues the branch of a run with collectors at ``paths``
     offline, as ``branch`` printed it: what a refusal to continue it online names."""
-    from rlhf_pipeline.pipeline import PipelineError
-
     try:
         return branch_commands(paths, lineage, parent_rows)["offline"]
     except (PipelineError, ValueError, OSError):  # the parent's own command, to be completed by hand

@@ -13,7 +13,7 @@ from typing import Any
 
 from rlhf_pipeline.files.atomic import PARTIAL_SUFFIX
 from rlhf_pipeline.runs.branch import BranchError
-from rlhf_pipeline.runs.lineage import BRANCH_FILE, PARENT_ROWS, is_inside, read_parent, resolved_location
+from rlhf_pipeline.runs.lineage import BRANCH_FILE, PARENT_ROWS, is_inside, read_parent, resolved_location, run_store_at
 
 OWN_ROWS = "own-rows"
 SELECTION_FILES = ("selection.json", "rows.npy", "parts.npy")  # storage/selection.py's MANIFEST_NAME, ROWS_NAME, PARTS_NAME
@@ -22,12 +22,9 @@ SWITCHED = "detached_into"  # in a switched selection's manifest: the copy it re
 
 
 def detach(branch: str | Path) -> dict[str, Any]:
-    """Makes ``branch`` (a directory or a URL) self-contained; returns the
-    ``detached`` record."""
-    from rlhf_pipeline.files.run_paths import RunPaths
-
+    """Makes ``branch`` (a directory or a URL) self-contained; returns the ``detached`` record."""
     location = resolved_location(str(branch)).rstrip("/")
-    store = RunPaths.at(location).store
+    store = run_store_at(location)
     try:
         lineage = read_parent(store)
     except (ValueError, OSError) as exc:

@@ -13,8 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
-from rlhf_pipeline.files.run_paths import resolved_location
+from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths, resolved_location
 from rlhf_pipeline.files.run_store import RunStore
+from rlhf_pipeline.files.settings_history import history_entries
+from rlhf_pipeline.files.state_files import StateFileError
 
 BRANCH_FILE = "branch.json"
 BRANCH_FORMAT = 1
@@ -53,8 +55,6 @@ def branches_settled(run: RunStore) -> Iterator[None]:
 
 def run_store_at(run: str | Path) -> Any:
     """The run store of the run at ``run``: a directory (made absolute) or an ``s3://``/``az://`` URL."""
-    from rlhf_pipeline.files.run_paths import RunPaths
-
     return RunPaths.at(resolved_location(str(run))).store
 
 
@@ -72,8 +72,6 @@ def buffer_of_run(location: str) -> str | None:
     """The buffer the learner of the run at ``location`` (a directory or a URL) read: its ``buffer_url``,
     else ``RUN/buffer``; None where ``location`` holds no run's ``settings.json`` (a buffer, say).
     :class:`KeepsNoBuffer` for a replay, naming the buffer it read."""
-    from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths
-
     if "://" not in location and not (Path(location) / "settings.json").is_file():
         return None
     try:
@@ -163,10 +161,7 @@ def read_each(read: Callable[[str], Any], others: list[str]) -> list[Any]:
 def run_lineage(run: str | Path) -> dict[str, Any]:
     """What ``inspect RUN`` says about a run (a directory or a URL): its rewind points, its parent,
     its branches and the branches left half-made beside it."""
-    from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.files.state_files import StateFileError
-    from rlhf_pipeline.files.settings_history import history_entries
 
     location = resolved_location(str(run)).rstrip("/")
     paths = RunPaths.at(location)

@@ -15,6 +15,7 @@ from typing import Any
 
 from rlhf_pipeline.pipeline import CollectorLike, Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.runs.eval_process import check_evaluation, eval_pins, keep_best
+from rlhf_pipeline.runs.run_directory import RunError
 from rlhf_pipeline.runs.stopping import StopFlag
 
 
@@ -78,8 +79,6 @@ def refuse_a_second_collector(paths: RunPaths, collector_index: int) -> None:
 
 
 def _second_collector(collector_index: int, store_path: str, holder: str | None) -> Exception:
-    from rlhf_pipeline.runs.run_directory import RunError
-
     return RunError(f"collector {collector_index} of this run is already running: {holder or 'another process'} "
                     f"writes {store_path}, and a shard takes one collector. Stop that one, or start this one with "
                     f"another --collector-index")
@@ -269,7 +268,6 @@ def _start_state(store: Any, start_file: Any, run_store: Any) -> dict[str, Any] 
     no publish yet, a continued branch's start in the same form (``collector/shard-kkkk.pt``, which
     ``runs/branch_online.py`` takes from its parent's position history), else None (a new collector)."""
     from rlhf_pipeline.files.run_store import state_store_and_key
-    from rlhf_pipeline.runs.run_directory import RunError
     from rlhf_pipeline.storage.writer_state import decode
 
     published = decode(store.writer_state, store.location)
