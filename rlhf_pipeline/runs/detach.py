@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,6 @@ def detach(branch: str | Path) -> dict[str, Any]:
 
 def _own_selection(store: Any, location: str) -> int:
     """Steps 1 and 2: the selection's rows copied into ``own-rows``, and the selection switched to it."""
-    import tempfile
-
     from rlhf_pipeline.storage import open_buffer
 
     manifest = json.loads(store.read(f"{PARENT_ROWS}/{SELECTION_FILES[0]}"))

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -175,8 +176,6 @@ def runs_one_thread() -> bool:
     running Python, since a lock another thread held would stay held there. Native pools are the
     libraries' own concern, as in the forking process: OpenBLAS's, which numpy starts on import, and
     torch's shut down or start anew across a fork."""
-    import threading
-
     return threading.active_count() == 1
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -141,8 +142,6 @@ def start_ranks(argv: Sequence[str], world_size: int, keep_fds: Sequence[int] = 
 def stop_ranks(ranks: Sequence[subprocess.Popen], grace_s: float = 20.0) -> None:
     """After one rank failed: the others wait in a collective that never completes, so they
     get SIGTERM, and SIGKILL after ``grace_s``."""
-    import time
-
     for process in ranks:
         if process.poll() is None:
             process.terminate()

@@ -12,7 +12,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from rlhf_pipeline.files.run_store import LocalRunStore, StaleWriterError
-from rlhf_pipeline.pipeline import PipelineError
+from rlhf_pipeline.pipeline import PipelineError, load_pipeline_module
 
 if TYPE_CHECKING:
     from rlhf_pipeline.files.run_store import RunStore
@@ -146,8 +146,6 @@ def load_copy(paths: RunPaths, missing: str = "") -> ModuleType:
     ``sys.path``, where they stay (a pipeline may import them lazily, in ``make_model``); a run at a
     URL's copy is written into this machine's cache of the run first. ``missing``: what a refusal
     adds when the run keeps no copy."""
-    from rlhf_pipeline.pipeline import load_pipeline_module
-
     kept = kept_sources(paths.store)
     if PIPELINE_KEY not in kept:
         raise PipelineError(f"{paths.location} keeps no copy of its pipeline file{missing}")

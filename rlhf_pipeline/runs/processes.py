@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.pipeline import CollectorLike, Pipeline, PipelineError, RunPaths
@@ -67,8 +68,6 @@ def refuse_a_second_collector(paths: RunPaths, collector_index: int) -> None:
     """Raises ``RunError`` when a live process holds the writer lock of this collector's local
     shard: said before the seconds of building a policy, not after. A shard at a URL is left to
     :func:`collect_main`, which waits out the lease of a collector that died on another machine."""
-    from pathlib import Path
-
     from rlhf_pipeline.storage.locking import LOCK_FILE_NAME, writer_holding
 
     store_path = collector_shard(paths, collector_index)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.files.processes import pid_running
+from rlhf_pipeline.files.run_lease import abandoned, holder_record
 from rlhf_pipeline.files.settings_history import saved_settings
 from rlhf_pipeline.runs.lineage import (
     PARENT_ROWS_MANIFEST,
@@ -28,6 +30,7 @@ from rlhf_pipeline.runs.lineage import (
     run_store_at,
     runs_beside,
 )
+from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 from rlhf_pipeline.storage.retention import RetentionSettings, RowClock, wanted_cut, whole_cut
 
 CLOCK_KEY = "retention_clock"  # where the row clock rides in the collector's saved loop state
@@ -229,10 +232,6 @@ def running_replays(sources: set[str], home: Any, others: list[str]) -> list[str
     names a live process on this machine (a directory, ``runs/run_directory.py``) or is a lease not
     abandoned (a URL, ``files/run_lease.py``). Such a replay counted the rows it walks when it
     started, so while it runs nothing of the store is dropped. A read or two per run, a few at a time."""
-    from rlhf_pipeline.files.processes import pid_running
-    from rlhf_pipeline.files.run_lease import abandoned, holder_record
-    from rlhf_pipeline.runs.run_directory import HOLDER_FILE
-
     where = home.location.rstrip("/")
     wanted = {resolved_location(source).rstrip("/") for source in sources}
 

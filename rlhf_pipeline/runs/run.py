@@ -26,6 +26,7 @@ from rlhf_pipeline.pipeline import (
     zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs import launch
+from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
 from rlhf_pipeline.runs.devices import check_cuda_device
 from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
@@ -91,8 +92,6 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
                             f"setting 'buffer_backend' is {settings.buffer_backend!r}: leave buffer_backend unset "
                             f"(Zarr is the default there) or --set buffer_backend=zarr")
-    from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
-
     start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online
     if paths.url is None:
         refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads (a local store's eviction)

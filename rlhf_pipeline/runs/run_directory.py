@@ -13,6 +13,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import socket
 import sys
 import time
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import fsync_dir, why_unwritable
+from rlhf_pipeline.files.run_lease import LeaseHeldError, ObjectLease
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.files.settings_history import record_resume, saved_settings, settings_in_force
@@ -179,8 +181,6 @@ def _describe_holder(record: Any) -> str:
 
 
 def _hold_run_url(paths: RunPaths, command: str) -> UrlRunHolder:
-    from rlhf_pipeline.files.run_lease import LeaseHeldError, ObjectLease
-
     lease = ObjectLease(paths.store, HOLDER_FILE, record={"command": command,
                                                           "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
     try:
@@ -270,8 +270,6 @@ def _create_local_shard(pipeline: Pipeline, shard: Path) -> None:
     place, so a start killed midway leaves no directory that counts as a shard but holds no store
     (every later start would then fail to open it). What such a start left is removed here; the
     caller holds the run lock, so no other process is making it."""
-    import shutil
-
     if shard.exists() and any(shard.iterdir()):
         return
     making = shard.with_name(shard.name + CREATING_SUFFIX)
