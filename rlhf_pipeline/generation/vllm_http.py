@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import http.client
 import json
+import sys
 import threading
 import time
 import urllib.parse
 import urllib.request
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Protocol
 
 from rlhf_pipeline.generation.engine import BadAnswer, EngineDied, EngineFailed
@@ -50,10 +51,6 @@ class ServerError(EngineFailed):
         """The server's own message (its JSON ``message``/``detail``, or the body's start)."""
 
 
-def _to_stderr(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
 @dataclass
 class Retries:
     """``generation.retries``, ``backoff_s`` and ``timeout_s`` as one client uses them: a request the
@@ -65,7 +62,7 @@ class Retries:
     retries: int = 5
     backoff_s: float = 1.0
     timeout_s: float | None = 600.0
-    announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
+    announce: Callable[[str], None] = field(default=partial(print, file=sys.stderr, flush=True), repr=False)
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0
     """Restarts since the server last answered."""

@@ -45,14 +45,12 @@ class WeightsLeases:
                 "held_version": self.held_version, "rounds_in_flight": granted,
                 "waiting": sum(t.state == "waiting" for t in self.tickets.values()), **extra}
 
-    def expire(self, now: float) -> list[str]:
-        """Drops the tickets not renewed in time; the holders dropped."""
-        gone = [t for t in self.tickets.values() if t.expires_at < now]
-        for ticket in gone:
+    def expire(self, now: float) -> None:
+        """Drops the tickets not renewed in time."""
+        for ticket in [t for t in self.tickets.values() if t.expires_at < now]:
             del self.tickets[ticket.holder]
             if ticket.state == "loading":  # maybe loaded, maybe not reset: whoever goes next loads again
                 self.held_key, self.held_version, self.ready = None, None, False
-        return [t.holder for t in gone]
 
     # ------------------------------------------------------------------ a round's calls
     def acquire(self, holder: str, key: str, version: int, ttl_s: float, now: float) -> dict:

@@ -76,7 +76,7 @@ class NCCLVLLMEngine(VLLMEngine):
     def _drop_sender(self) -> None:
         """Ends the sender's side of the NCCL group without waiting on its peer: vLLM's ``shutdown``
         destroys the communicator with ``ncclCommAbort`` (local: it waits on no other rank)."""
-        sender, self._sender = getattr(self, "_sender", None), None
+        sender, self._sender = self._sender, None
         if sender is not None:
             sender.shutdown()
 

@@ -8,6 +8,7 @@ Design: docs/generation.md#running-a-pipeline-with-it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -192,18 +193,13 @@ class ServerProcess:
     def stop(self, wait_s: float = 30.0) -> None:
         """SIGTERM to its process group (the API server, its engine core, any worker), SIGKILL if it lingers
         (and to the watcher, which ignores SIGTERM)."""
-        try:
+        with contextlib.suppress(ProcessLookupError):  # the group is gone (its leader reaped, its children with it)
             os.killpg(self.process.pid, signal.SIGTERM)
-        except ProcessLookupError:  # the group is gone (its leader reaped, its children with it)
-            pass
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout=wait_s)
-        except subprocess.TimeoutExpired:
-            pass
-        try:  # whatever of the group is left (an engine core whose API server was killed, the watcher)
+        # whatever of the group is left (an engine core whose API server was killed, the watcher)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.process.wait()
         if self._watch_write >= 0:
             os.close(self._watch_write)

@@ -10,6 +10,7 @@ server").
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -248,7 +249,7 @@ class RoundLease:
         self.load_s = 0.0
         """Seconds this round spent loading its weights (0 when it joined weights already held)."""
         self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
+        self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
 
     def _call(self, op: str, **arguments: Any) -> dict[str, Any]:
         body = {"method": "published_lease", "args": [json.dumps({"op": op, "holder": self.holder, **arguments})]}
@@ -267,6 +268,7 @@ class RoundLease:
         started = time.monotonic()
         pause = FIRST_PAUSE_S
         stopping = GenerationEngine.stopping or threading.Event()
+        self._renewer.start()  # from the first ask to the release: a large model's upload may outlast ttl_s
         try:
             while True:
                 reply = self._call("acquire", key=self.key, version=self.version, ttl_s=self.ttl_s)
@@ -283,35 +285,23 @@ class RoundLease:
                                        f"collectors' rounds; nothing of the round was sampled")
                 pause = min(2 * pause, LONGEST_PAUSE_S)
         except BaseException:
-            self._release_quietly()
+            self.__exit__()
             raise
         self.epoch = int(reply["epoch"])
         self.waited_s = time.monotonic() - started - self.load_s
-        self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
-        self._renewer.start()
         return self
 
     def _load_and_mark_ready(self) -> dict[str, Any]:
         started = time.monotonic()
-        self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
-        self._renewer.start()  # a large model's upload may outlast ttl_s
-        try:
-            self._load(json.dumps({"holder": self.holder, "key": self.key, "version": self.version,
-                                   "ttl_s": self.ttl_s}))
-            self._reset()
-        finally:
-            self._stop.set()
-            self._renewer.join()
-            self._stop.clear()
+        self._load(json.dumps({"holder": self.holder, "key": self.key, "version": self.version, "ttl_s": self.ttl_s}))
+        self._reset()
         self.load_s += time.monotonic() - started
         return self._call("ready")
 
     def _renew_until_released(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):
-            try:
+            with contextlib.suppress(Exception):  # a missed renewal is caught by the epoch check, not here
                 self._call("renew", ttl_s=self.ttl_s)
-            except Exception:  # a missed renewal is caught by the epoch check, not here
-                pass
 
     def check(self) -> None:
         """Raises :class:`EngineFailed` when weights were loaded since this round was granted: the
@@ -325,25 +315,16 @@ class RoundLease:
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join()
-        self._release_quietly()
-
-    def _release_quietly(self) -> None:
-        try:
+        self._renewer.join()
+        with contextlib.suppress(Exception):  # an unanswered release expires on the server after ttl_s
             self._call("release")
-        except Exception:  # an unanswered release expires on the server after ttl_s
-            pass
 
 
 def weights_digest(path: Path) -> str:
     """The weights' identity on a shared server: the same bytes, the same weights, whatever version
     label they carry (two collectors of one run write a version's weights alike)."""
-    digest = hashlib.sha256()
     try:
         with open(path, "rb") as file:
-            for block in iter(lambda: file.read(1 << 22), b""):
-                digest.update(block)
+            return hashlib.file_digest(file, "sha256").hexdigest()
     except FileNotFoundError:  # a file only the server may see: named by its path, its load says the rest
         return f"path:{path}"
-    return digest.hexdigest()
