@@ -14,6 +14,7 @@ import math
 import numbers
 import os
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, wait
@@ -307,8 +308,6 @@ class GenerationEngine(ABC):
         Versions only move forward. Called between rounds, with nothing of the caller in flight; what
         the engine derived from the old weights (a prefix cache, repacked kernels, a tied head) is
         rebuilt before the next request. Records the time it took in :attr:`stats`."""
-        import time
-
         if version < self._policy_version:
             raise ValueError(f"load_weights: version {version} is older than the current {self._policy_version}; "
                              f"weights only move forward")

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 from rlhf_pipeline.setting_checks import Bounds, check_fields
+from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.vllm_setup import check_cpu_head_size, check_nccl_device, default_vllm_env, python_has_vllm
 
 if TYPE_CHECKING:
@@ -154,10 +155,8 @@ class GenerationSettings:
                              f"{self.url!r}")
         self.engine_retries()  # refuses each by name
 
-    def engine_retries(self) -> Any:
-        """``retries``, ``backoff_s`` and ``timeout_s`` as a server's client uses them (``vllm_http.Retries``)."""
-        from rlhf_pipeline.generation.vllm_http import Retries
-
+    def engine_retries(self) -> Retries:
+        """``retries``, ``backoff_s`` and ``timeout_s`` as a server's client uses them."""
         return Retries(self.retries, self.backoff_s, self.timeout_s)
 
 

@@ -84,7 +84,7 @@ class OwnedServer:
                 return True
             ended = self.process.exited()
             doing = WHAT.get(what, what)
-            timed_out = "timed out" in fault or "TimeoutError" in fault or "timeout" in fault
+            timed_out = "timed out" in fault or "timeout" in fault.lower()  # TimeoutError, socket.timeout
             if ended is None and not timed_out:  # a killed server's socket closes a moment before it is reaped
                 try:
                     self.process.process.wait(timeout=5.0)
