@@ -41,10 +41,13 @@ class Generation:
     prompt_index: torch.Tensor  # (N,) int64
 
 
+def _ragged_ids(sequences: Sequence[Sequence[int]]) -> RaggedTensor:
+    return RaggedTensor.from_sequences([list(s) for s in sequences], dtype=torch.int64)
+
+
 def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Lists of ids -> ``(ids (N, L), mask (N, L))`` padded on the left."""
-    ragged = RaggedTensor.from_sequences([list(s) for s in sequences], dtype=torch.int64)
-    return ragged.to_padded(pad_value=pad_token_id, side="left")
+    return _ragged_ids(sequences).to_padded(pad_value=pad_token_id, side="left")
 
 
 def _cache_keyword(model) -> str:
@@ -185,7 +188,7 @@ def generate(
     valid = torch.arange(response.shape[1])[None, :] < state.lengths[:, None]  # (N, R)
     terminated = state.finished
     return Generation(
-        prompt_tokens=RaggedTensor.from_sequences([list(p) for p in repeated], dtype=torch.int64),
+        prompt_tokens=_ragged_ids(repeated),
         response_tokens=RaggedTensor.from_padded(response, valid),
         response_log_probs=RaggedTensor.from_padded(response_lp, valid),
         terminated=terminated,
@@ -229,6 +232,17 @@ def teacher_forced_log_probs(
     return RaggedTensor.from_padded(logp.cpu(), valid.cpu())
 
 
+def log_prob_gap(model, prompts: Sequence[Sequence[int]], completions: Sequence[Completion],
+                 config: SamplingConfig | None) -> float:
+    """How far an engine's answer is from sampling with ``model``: the largest difference between the
+    log-probs of ``completions`` (``completions[i]`` answers ``prompts[i]``) and ``model``'s
+    teacher-forced ones under ``config`` (None: the raw distribution)."""
+    again = teacher_forced_log_probs(model, _ragged_ids(prompts), _ragged_ids([c.token_ids for c in completions]),
+                                     config)
+    served = torch.tensor([p for c in completions for p in c.log_probs])
+    return float((again.values.float() - served).abs().max())
+
+
 # ====================================================================== the engine
 class ServedPolicyMismatch(EngineFailed):
     """A LoRA version the engine does not serve as the learner published it (models/lora.py's canary):
@@ -249,6 +263,47 @@ def load_state_into(model, state_dict) -> None:
     model.eval()
 
 
+class MergedPolicy:
+    """``model`` holding the version an engine serves: whole weights loaded into it, a LoRA run's adapter
+    versions merged into the base it holds (docs/lora.md), each then checked with the served-policy
+    canary: ``model`` must score the learner's fixed tokens as the learner did, or the version is refused
+    before any row of it is sampled. ``scored``: what the canary compares, for the refusal's line;
+    ``holds_base``: ``model`` holds the base already (else an adapter waits for whole weights)."""
+
+    def __init__(self, model, scored: str, *, holds_base: bool = False) -> None:
+        self.model, self.scored = model, scored
+        self._merger = AdapterMerger()
+        if holds_base:
+            self._merger.set_base()
+        self.last_canary_difference: float | None = None
+        """The canary of the last adapter version loaded: its largest log-prob difference."""
+
+    def load(self, weights, version: int) -> None:
+        """``weights`` (a state dict, a ``PolicyAdapter`` or the path of a safetensors file) as ``version``."""
+        from rlhf_pipeline.models.lora import PolicyAdapter
+
+        if isinstance(weights, (str, os.PathLike)):
+            from safetensors.torch import load_file
+
+            weights = load_file(os.fspath(weights))
+        if not isinstance(weights, PolicyAdapter):
+            load_state_into(self.model, weights)
+            self._merger.set_base()
+            return
+        try:
+            if weights.base is not None:  # a collector started past version 0: the base first
+                load_state_into(self.model, weights.base)
+                self._merger.set_base()
+            self._merger.apply(self.model, weights, version)
+            self.model.eval()
+            difference, tolerance = canary_difference(self.model, weights, version)
+        except ValueError as exc:
+            raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
+        if not difference <= tolerance:
+            raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance, self.scored))
+        self.last_canary_difference = difference
+
+
 class LoopEngine(GenerationEngine):
     """Our sampling loop as a :class:`~rlhf_pipeline.generation.engine.GenerationEngine`.
 
@@ -262,9 +317,7 @@ class LoopEngine(GenerationEngine):
         super().__init__([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id, policy_version)
         self.model = model.eval()
         self.pad_token_id = int(pad_token_id)
-        self._adapters = AdapterMerger()  # a LoRA run's versions, merged into the base (docs/lora.md)
-        self.last_canary_difference: float | None = None
-        """The served-policy check of the last adapter version loaded: its largest log-prob difference."""
+        self.policy = MergedPolicy(self.model, "the engine's log-probs of the canary tokens")
         self._queue: list[_Queued] = []
         self._ready = 0  # queued requests a flush let go
         self._closed = False
@@ -351,40 +404,13 @@ class LoopEngine(GenerationEngine):
     def score(self, prompts: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
               sampling: SamplingConfig | None = None) -> list[list[float]]:
         with self._decoding:
-            scored = teacher_forced_log_probs(
-                self.model, RaggedTensor.from_sequences([list(p) for p in prompts], dtype=torch.int64),
-                RaggedTensor.from_sequences([list(r) for r in responses], dtype=torch.int64), sampling,
-                pad_token_id=self.pad_token_id)
+            scored = teacher_forced_log_probs(self.model, _ragged_ids(prompts), _ragged_ids(responses), sampling,
+                                              pad_token_id=self.pad_token_id)
         return [row.tolist() for row in scored.to_list()]
 
     def _load(self, weights, version: int) -> None:
-        from rlhf_pipeline.models.lora import PolicyAdapter
-
-        if isinstance(weights, (str, os.PathLike)):
-            from safetensors.torch import load_file
-
-            weights = load_file(os.fspath(weights))
         with self._decoding:
-            if not isinstance(weights, PolicyAdapter):
-                load_state_into(self.model, weights)
-                self._adapters.set_base()
-                return
-            # an adapter version (docs/lora.md): merged into the base this engine holds, then the
-            # served-policy canary: the model it samples with must score the learner's fixed tokens as
-            # the learner did, or the version is refused before any row of it is sampled
-            try:
-                if weights.base is not None:
-                    load_state_into(self.model, weights.base)
-                    self._adapters.set_base()
-                self._adapters.apply(self.model, weights, version)
-                self.model.eval()
-                difference, tolerance = canary_difference(self.model, weights, version)
-            except ValueError as exc:
-                raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
-            if not difference <= tolerance:
-                raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance,
-                                                                 "the engine's log-probs of the canary tokens"))
-            self.last_canary_difference = difference
+            self.policy.load(weights, version)
 
     def close(self) -> None:
         """Stops the thread; requests still queued fail with :class:`EngineFailed`."""

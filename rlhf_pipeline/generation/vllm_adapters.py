@@ -11,6 +11,7 @@ Design: docs/lora.md#on-vllm.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from rlhf_pipeline.generation.engine import EngineFailed
-from rlhf_pipeline.generation.loop import ServedPolicyMismatch, load_state_into, teacher_forced_log_probs
+from rlhf_pipeline.generation.loop import MergedPolicy, ServedPolicyMismatch, log_prob_gap
 from rlhf_pipeline.generation.sampling import SamplingConfig
 from rlhf_pipeline.generation.vllm_http import JsonClient, ServerError
 from rlhf_pipeline.generation.vllm_url_weights import ServerMismatch, VersionFiles, unreadable
@@ -28,15 +29,12 @@ from rlhf_pipeline.models.lora import (
     CANARY_NEW_TOKENS,
     CANARY_PROMPT_TOKENS,
     CANARY_SEED,
-    AdapterMerger,
     PolicyAdapter,
-    canary_difference,
     canary_prompts,
     canary_tolerance,
     served_policy_failure,
     zero_adapter,
 )
-from rlhf_pipeline.schema.ragged import RaggedTensor
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The values vLLM's ``--max-lora-rank`` takes (vllm 0.32, ``config/lora.py``); an adapter of a lower
@@ -88,16 +86,18 @@ class ServedAdapters:
     """The adapter versions loaded on the server at ``client``'s URL, for one engine.
 
     ``reference``: the engine's model, holding the base the server holds (the learner's forward of each
-    version is computed by merging the version into it); ``weights``: the engine's whole weights
-    (``vllm_url_weights.ServerWeights``: the base; its files' directory and tag are the adapters' too, and
-    their life cycle, ``VersionFiles``; on a server other collectors may share, names carry the tag and
-    checks hold a round's lease); ``sample(body)``: the engine's ``/v1/completions`` path (its checks
+    version is computed by merging the version into it: ``loop.MergedPolicy``); ``weights``: the engine's
+    whole weights (``vllm_url_weights.ServerWeights``: the base; its files' directory and tag are the
+    adapters' too, and their life cycle, ``VersionFiles``; on a server other collectors may share, names
+    carry the tag and checks hold a round's lease); ``sample(body)``: the engine's ``/v1/completions`` path (its checks
     included); ``request(prompt, n, seed, sampling, limit, model)``: the body it sends for a row."""
 
     def __init__(self, client: JsonClient, serving: AdapterServing, reference: torch.nn.Module, weights: Any, *,
                  request: Callable[..., dict[str, Any]], sample: Callable[[dict[str, Any]], list[Any]],
                  max_model_len: int, served_model: str) -> None:
-        self.client, self.serving, self.reference, self.weights = client, serving, reference, weights
+        self.client, self.serving, self.weights = client, serving, weights
+        scored = "the log-probs of the canary tokens under the base this engine holds with the adapter merged"
+        self.reference = MergedPolicy(reference, scored, holds_base=True)
         self.files = VersionFiles(weights.files.dir / "adapters", keep=serving.max_loras, tag=weights.files.tag)
         """The versions' directories; ``held``: version -> directory, oldest first, each loaded on the server."""
         self._request, self._sample = request, sample
@@ -106,8 +106,6 @@ class ServedAdapters:
         self.vocab_size = int(reference.config.vocab_size)
         length = min(CANARY_PROMPT_TOKENS, max(1, max_model_len - CANARY_NEW_TOKENS))
         self.prompts = canary_prompts(self.vocab_size, length)
-        self.merger = AdapterMerger()
-        self.merger.set_base()
         self.last_difference: float | None = None
         """The sampling-path canary of the last version loaded: its largest log-prob difference."""
         self.last_load_s = 0.0
@@ -129,7 +127,7 @@ class ServedAdapters:
         of the run's rank and targets loads and scores as the base; else one line naming the setting."""
         self.served_layers = self._served_layers()
         self._check_targets(list(self.serving.target_modules), None)
-        probe = zero_adapter(self.reference, self.serving.rank, self.serving.alpha, self.serving.target_modules)
+        probe = zero_adapter(self.reference.model, self.serving.rank, self.serving.alpha, self.serving.target_modules)
         name, path = PROBE_NAME + self._suffix, self.files.path(PROBE_NAME)
         probe.save_peft_directory(path)
         try:
@@ -144,36 +142,23 @@ class ServedAdapters:
         """``version``'s weights: an adapter loaded by name (:meth:`take`), or whole weights (the base,
         version 0) given to the server as any engine's."""
         adapter = adapter_of(weights)
-        if adapter is None:
+        if adapter is None:  # the reference holds them too: the base of the adapters that follow
             self.weights.take(weights, version)
-            self.set_base(self.weights.path)
+            self.reference.load(self.weights.path, version)
             return
-        if adapter.base is not None:  # a collector started past version 0: the base first
+        if adapter.base is not None:  # a collector started past version 0: the server's base first
             self.weights.take(adapter.base, 0)
-            self.set_base(adapter.base)
         with self._held_round():
             self.take(adapter, version)
 
     def _held_round(self) -> Any:
         """A round's lease on a server other collectors may share: its base stays while a check samples."""
-        import contextlib
-
         return self.weights.round_lease() if self.weights.shared else contextlib.nullcontext()
-
-    def set_base(self, state: Any) -> None:
-        """The server was given whole weights (``state``, or their file): the reference holds them too,
-        and they are the base of the adapters that follow."""
-        if isinstance(state, (str, Path)):
-            from safetensors.torch import load_file
-
-            state = load_file(str(state))
-        load_state_into(self.reference, state)
-        self.merger.set_base()
 
     def take(self, adapter: PolicyAdapter, version: int) -> None:
         """``adapter`` loaded under its version's name, checked through the sampling path; older
         versions past ``max_loras`` unloaded. An adapter that brings its base (a collector started past
-        version 0) has had it given to the server and to :meth:`set_base` first."""
+        version 0) has had it given to the server first; the reference loads it with the adapter."""
         if adapter.config.get("modules_to_save"):
             raise ServedPolicyMismatch(f"weights version {version} cannot be served: its adapter saves whole "
                                        f"modules ({adapter.config['modules_to_save']}), which vLLM serves only for "
@@ -185,7 +170,7 @@ class ServedAdapters:
             self._unload(self.loaded_name(old))
         try:
             self._put(self.loaded_name(version), path, version)
-            self._reference_of(adapter, version)
+            self.reference.load(adapter, version)  # what the server's log-probs are compared with
             self._check_sampled(self.name(version), version)  # the name the version's rows will carry
         except BaseException:
             self._unload(self.loaded_name(version))
@@ -204,10 +189,8 @@ class ServedAdapters:
         """This engine's adapter directories removed; on a server other collectors share (one at a URL)
         its adapters are unloaded too, one try each, so they do not outlive it there."""
         for version in self.files.held if self.weights.shared else ():
-            try:
+            with contextlib.suppress(EngineFailed):  # a server gone by now holds nothing of ours
                 self._unload(self.loaded_name(version), retry=False)
-            except EngineFailed:  # a server gone by now holds nothing of ours
-                pass
         self.files.close()
 
     # ------------------------------------------------------------------ the server's side
@@ -251,72 +234,48 @@ class ServedAdapters:
         """One line naming the setting; a :class:`ServerMismatch` (refused at connection, before any row)
         for the zero adapter, else the version's :class:`ServedPolicyMismatch`."""
         refused = ServerMismatch if version is None else ServedPolicyMismatch
-        detail = exc.detail
+        detail, flags = exc.detail, " ".join(self.serving.server_flags())
         what = "the run's adapter" if version is None else f"weights version {version}'s adapter"
         if exc.status == 404:
             return refused(
                 f"generation.url: the vLLM server at {self.client.base_url} has no /v1/load_lora_adapter: a LoRA run "
-                f"(learner.lora.rank={self.serving.rank}) needs a server started with {self._flags()} and "
+                f"(learner.lora.rank={self.serving.rank}) needs a server started with {flags} and "
                 f"{RUNTIME_LORA_ENV}=1")
         if "max_lora_rank" in detail or "LoRA is not enabled" in detail or "enable-lora" in detail:
             return refused(
                 f"setting 'learner.lora.rank' is {self.serving.rank}, and the vLLM server at {self.client.base_url} "
-                f"refuses {what}: {detail}; start it with {self._flags()}, or lower learner.lora.rank")
+                f"refuses {what}: {detail}; start it with {flags}, or lower learner.lora.rank")
         if "No such file" in detail or "not found" in detail.lower() or "does not exist" in detail:
             return refused(unreadable(self.client.base_url, path, what))
         return refused(f"{what} cannot be served: the vLLM server at {self.client.base_url} refused it: {detail}")
 
-    def _flags(self) -> str:
-        return " ".join(self.serving.server_flags())
-
     def _unload(self, name: str, *, retry: bool = True) -> None:
         """``name`` unloaded from the server (and, sent inline, its directory there removed)."""
-        try:
+        with contextlib.suppress(ServerError):  # never loaded (its load was refused), or gone with a restarted server
             self.client.post("/v1/unload_lora_adapter", {"lora_name": name}, text=True, retry=retry)
-        except ServerError:  # never loaded (its load was refused), or gone with a restarted server
-            pass
         if self.weights.inline:
-            try:
+            with contextlib.suppress(ServerError):
                 self.client.post("/collective_rpc", {"method": "remove_published_adapter", "args": [name]},
                                  retry=retry)
-            except ServerError:
-                pass
 
     # ------------------------------------------------------------------ the canary
-    def _reference_of(self, adapter: PolicyAdapter, version: int) -> None:
-        """The engine's model with ``version`` merged, checked against the learner's published canary
-        (the loop engine's check): what the server's log-probs are compared with."""
-        try:
-            self.merger.apply(self.reference, adapter, version)
-            difference, tolerance = canary_difference(self.reference, adapter, version)
-        except ValueError as exc:
-            raise ServedPolicyMismatch(f"weights version {version} cannot be served: {exc}") from None
-        if not difference <= tolerance:
-            scored = "the log-probs of the canary tokens under the base this engine holds with the adapter merged"
-            raise ServedPolicyMismatch(served_policy_failure(version, difference, tolerance, scored))
-
     def _check_sampled(self, name: str, version: int | None) -> None:
         """The canary prompts sampled under ``name`` through the rows' path; the log-probs of the sampled
         tokens must be the reference's (``version`` None: the zero adapter, whose reference is the base)."""
-        sampled, served = [], []
+        prompts, completions = [], []
         for index, prompt in enumerate(self.prompts):
             body = self._request(prompt, 2, CANARY_SEED + index, CANARY_SAMPLING, CANARY_NEW_TOKENS, name)
             try:
-                completions = self._sample(body)
+                answered = self._sample(body)
             except ServerError as exc:
                 which = "the zero-adapter check" if version is None else f"weights version {version}"
                 raise (ServerMismatch if version is None else ServedPolicyMismatch)(
                     f"served-policy check failed for {which}: the vLLM server does not sample "
                     f"under {name!r} (HTTP {exc.status}: {exc.detail}), so no row of it is stored") from None
-            for completion in completions:
-                sampled.append((prompt, list(completion.token_ids)))
-                served.extend(completion.log_probs)
-        with torch.no_grad():
-            again = teacher_forced_log_probs(
-                self.reference, RaggedTensor.from_sequences([p for p, _ in sampled], dtype=torch.int64),
-                RaggedTensor.from_sequences([r for _, r in sampled], dtype=torch.int64), None)
-        difference = float((again.values.float().cpu() - torch.tensor(served)).abs().max())
-        tolerance = canary_tolerance(next(self.reference.parameters()).dtype)
+            prompts += [prompt] * len(answered)
+            completions += answered
+        difference = log_prob_gap(self.reference.model, prompts, completions, None)
+        tolerance = canary_tolerance(next(self.reference.model.parameters()).dtype)
         if not difference <= tolerance:
             if version is None:
                 raise ServerMismatch(

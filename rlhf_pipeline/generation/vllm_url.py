@@ -173,19 +173,18 @@ class VLLMURLEngine(GenerationEngine):
         name = wanted if wanted is not None else next(iter(served))
         return name, int(served[name].get("max_model_len") or 0) or 2**31
 
-    def _check_tokenizer(self, tokenizer: Any) -> bool:
-        """True when the server's tokenizer gives our ids for the probe; False when it has none."""
+    def _check_tokenizer(self, tokenizer: Any) -> None:
+        """The server's tokenizer must give our ids for the probe (unless it has none)."""
         ours = list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"])
         try:
             theirs = self.client.post("/tokenize", {"model": self.served_model, "prompt": PROBE_TEXT,
                                                     "add_special_tokens": False})["tokens"]
         except ServerError:  # started without a tokenizer (--skip-tokenizer-init): it reads only our ids
-            return False
+            return
         if list(theirs) != ours:
             raise ServerMismatch(f"generation.url: the server's tokenizer ({self.served_model!r} at {self.url}) gives "
                                  f"{theirs} for {PROBE_TEXT!r}, the pipeline's gives {ours}: serve a model directory "
                                  f"holding the pipeline's tokenizer (tokenizer.save_pretrained)")
-        return True
 
     def _check_shape(self, model: Any) -> None:
         try:
@@ -208,24 +207,13 @@ class VLLMURLEngine(GenerationEngine):
                                  f"pipeline's shape (its save_pretrained directory)")
 
     def _check_log_probs(self, model: Any, tokenizer: Any, tolerance: float) -> None:
-        from rlhf_pipeline.generation.loop import teacher_forced_log_probs
-        from rlhf_pipeline.schema.ragged import RaggedTensor
+        from rlhf_pipeline.generation.loop import log_prob_gap
 
         prompt = (list(tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]) if tokenizer is not None
                   else [i % self.vocab_size for i in range(2, 12)])
-        request = SampleRequest(prompt, n=2)
-        (group,) = self.sample([request], [0], PROBE_SAMPLING)
-        responses = [c.token_ids for c in group.completions]
-        stored = torch.tensor([p for c in group.completions for p in c.log_probs])
-
-        def distance(config: SamplingConfig | None) -> float:
-            with torch.no_grad():
-                again = teacher_forced_log_probs(
-                    model, RaggedTensor.from_sequences([prompt] * len(responses), dtype=torch.int64),
-                    RaggedTensor.from_sequences(responses, dtype=torch.int64), config)
-            return float((again.values.float().cpu() - stored).abs().max())
-
-        processed, raw = distance(PROBE_SAMPLING), distance(None)
+        (group,) = self.sample([SampleRequest(prompt, n=2)], [0], PROBE_SAMPLING)
+        prompts = [prompt] * len(group.completions)
+        processed, raw = (log_prob_gap(model, prompts, group.completions, config) for config in (PROBE_SAMPLING, None))
         if processed <= tolerance:
             return
         if raw <= tolerance:
@@ -393,22 +381,15 @@ class VLLMURLEngine(GenerationEngine):
         """Stops the request pool (what it still holds is not sent), closes the kept connections and
         removes the weight files this engine wrote; the server is the user's and keeps running."""
         self._closed = True
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)
-            # requests cancelled there never end as answered ones do, so the lease they held is let go
-            # here: a server shared with other collectors would otherwise stay held on our weights
-            with self._leasing:
-                lease, self._lease = self._lease, None
-            if lease is not None:
-                lease.__exit__(None, None, None)
-        adapters = getattr(self, "adapters", None)
-        if adapters is not None:
-            adapters.close()
-        weights = getattr(self, "weights", None)
-        if weights is not None:
-            weights.close()
-        client = getattr(self, "client", None)
-        if client is not None:
-            client.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        # requests cancelled there never end as answered ones do, so the lease they held is let go
+        # here: a server shared with other collectors would otherwise stay held on our weights
+        with self._leasing:
+            lease, self._lease = self._lease, None
+        if lease is not None:
+            lease.__exit__(None, None, None)
+        if self.adapters is not None:
+            self.adapters.close()
+        self.weights.close()
+        self.client.close()
 

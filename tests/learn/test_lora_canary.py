@@ -48,7 +48,7 @@ def run(tmp_path_factory):
 def engine(merger: AdapterMerger | None = None) -> LoopEngine:
     loop = LoopEngine(make_model(), pad_token_id=TOKENIZER.pad_token_id, eos_token_id=TOKENIZER.eos_token_id)
     if merger is not None:
-        loop._adapters = merger  # the fault goes in where the engine applies adapters
+        loop.policy._merger = merger  # the fault goes in where the engine applies adapters
     return loop
 
 
@@ -61,7 +61,7 @@ def test_every_adapter_version_passes_the_canary_and_is_sampled_under_its_own_nu
     loop = engine()
     try:
         load_in_turn(loop, run)
-        assert loop.policy_version == VERSIONS and loop.last_canary_difference < 1e-4
+        assert loop.policy_version == VERSIONS and loop.policy.last_canary_difference < 1e-4
         groups = loop.sample([SampleRequest([1, 2, 3], n=2)], [0], SamplingConfig(max_new_tokens=3))
         assert groups[0].policy_version == VERSIONS
         # the merged engine is the whole weights of that version, as load_weights gives them to others
@@ -135,6 +135,6 @@ def test_a_zero_adapter_scores_as_the_base(run):
     try:
         loop.load_weights(base_state, 0)
         loop.load_weights(fresh, 1)
-        assert loop.last_canary_difference < 1e-5
+        assert loop.policy.last_canary_difference < 1e-5
     finally:
         loop.close()
