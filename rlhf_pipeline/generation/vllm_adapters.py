@@ -89,18 +89,17 @@ class ServedAdapters:
     version is computed by merging the version into it: ``loop.MergedPolicy``); ``weights``: the engine's
     whole weights (``vllm_url_weights.ServerWeights``: the base; its files' directory and tag are the
     adapters' too, and their life cycle, ``VersionFiles``; on a server other collectors may share, names
-    carry the tag and checks hold a round's lease); ``sample(body)``: the engine's ``/v1/completions`` path (its checks
-    included); ``request(prompt, n, seed, sampling, limit, model)``: the body it sends for a row."""
+    carry the tag and checks hold a round's lease); ``sample(prompt, n, seed, sampling, limit, model)``: that
+    request's completions through the engine's rows' path (its checks included)."""
 
     def __init__(self, client: JsonClient, serving: AdapterServing, reference: torch.nn.Module, weights: Any, *,
-                 request: Callable[..., dict[str, Any]], sample: Callable[[dict[str, Any]], list[Any]],
-                 max_model_len: int, served_model: str) -> None:
+                 sample: Callable[..., list[Any]], max_model_len: int, served_model: str) -> None:
         self.client, self.serving, self.weights = client, serving, weights
         scored = "the log-probs of the canary tokens under the base this engine holds with the adapter merged"
         self.reference = MergedPolicy(reference, scored, holds_base=True)
         self.files = VersionFiles(weights.files.dir / "adapters", keep=serving.max_loras, tag=weights.files.tag)
         """The versions' directories; ``held``: version -> directory, oldest first, each loaded on the server."""
-        self._request, self._sample = request, sample
+        self._sample = sample
         self._suffix = f"-{weights.files.tag}" if weights.shared else ""
         self.served_model = served_model
         self.vocab_size = int(reference.config.vocab_size)
@@ -264,9 +263,8 @@ class ServedAdapters:
         tokens must be the reference's (``version`` None: the zero adapter, whose reference is the base)."""
         prompts, completions = [], []
         for index, prompt in enumerate(self.prompts):
-            body = self._request(prompt, 2, CANARY_SEED + index, CANARY_SAMPLING, CANARY_NEW_TOKENS, name)
             try:
-                answered = self._sample(body)
+                answered = self._sample(prompt, 2, CANARY_SEED + index, CANARY_SAMPLING, CANARY_NEW_TOKENS, name)
             except ServerError as exc:
                 which = "the zero-adapter check" if version is None else f"weights version {version}"
                 raise (ServerMismatch if version is None else ServedPolicyMismatch)(

@@ -119,9 +119,10 @@ class VLLMURLEngine(GenerationEngine):
                 self._load(model.state_dict(), self.policy_version)  # the server now holds our policy
             self._check_log_probs(model, tokenizer, check_tolerance)
             if adapters is not None:  # a LoRA run: its versions are adapters the server loads by name
-                self.adapters = ServedAdapters(self.client, adapters, model, self.weights, request=self._body,
-                                               sample=self._post_completions, max_model_len=self.max_model_len,
-                                               served_model=self.served_model)
+                self.adapters = ServedAdapters(
+                    self.client, adapters, model, self.weights, max_model_len=self.max_model_len,
+                    served_model=self.served_model,
+                    sample=lambda *request: self._post_completions(self._body(*request)))
                 self.adapters.check_server()
         except BaseException:
             self.close()
