@@ -92,7 +92,6 @@ class VLLMURLEngine(GenerationEngine):
         super().__init__(stop_token_ids, policy_version)
         self.client = JsonClient(url, retries, api_key=api_key, supervisor=server)
         self.vocab_size = int(model.config.vocab_size)
-        self.max_concurrency = int(max_concurrency)
         self._weight_updates = bool(weight_updates)
         # the weights this engine's rounds sample with, held on a server other collectors may share
         self.weights = ServerWeights(self.client, weights_dir=weights_dir, inline=inline_weights, lease_s=lease_s,
@@ -106,7 +105,7 @@ class VLLMURLEngine(GenerationEngine):
         self._lease: Any = None
         self.adapters: ServedAdapters | None = None
         # one pool for the engine's life: up to max_concurrency requests in flight, the rest queue here
-        self._pool = ThreadPoolExecutor(max_workers=self.max_concurrency, thread_name_prefix=f"{self.name}-requests")
+        self._pool = ThreadPoolExecutor(max_workers=int(max_concurrency), thread_name_prefix=f"{self.name}-requests")
         try:
             if server is None:  # a server of ours was healthy when its start returned
                 self._wait_until_healthy(wait_s)
