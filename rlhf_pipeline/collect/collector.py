@@ -298,10 +298,8 @@ class Collector:
         return self.engine.policy_version
 
     def set_policy_state(self, state_dict, version: int) -> None:
-        """Loads new policy weights into the engine (all keys must match); later rows name ``version``."""
-        if version < self.policy_version:
-            raise ValueError(f"set_policy_state: version {version} is older than the current {self.policy_version}; "
-                             f"weights only move forward")
+        """Loads new policy weights into the engine (all keys must match; versions only move forward);
+        later rows name ``version``."""
         if self._ahead is not None and version != self.policy_version:
             raise RuntimeError(f"set_policy_state: version {version} while a round started ahead samples with "
                                f"version {self.policy_version}; weights change between rounds only: collect it first")
