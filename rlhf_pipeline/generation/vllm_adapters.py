@@ -12,7 +12,6 @@ Design: docs/lora.md#on-vllm.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,8 +106,6 @@ class ServedAdapters:
         self.prompts = canary_prompts(self.vocab_size, length)
         self.last_difference: float | None = None
         """The sampling-path canary of the last version loaded: its largest log-prob difference."""
-        self.last_load_s = 0.0
-        """Seconds the server took to load the last adapter (its ``/v1/load_lora_adapter``)."""
         self.served_layers: list[str] = []
         """The layer names the server takes adapters for (asked by :meth:`check_server`)."""
 
@@ -218,7 +215,6 @@ class ServedAdapters:
                       f"not on {','.join(unserved)}, so it cannot serve {what}; target only layers it serves")
 
     def _put(self, name: str, path: Path, version: int | None) -> None:
-        started = time.perf_counter()
         try:
             if self.weights.inline:  # the server writes the directory where it reads it (vllm_worker.py)
                 reply = self.client.post("/collective_rpc", {"method": "save_published_adapter",
@@ -227,7 +223,6 @@ class ServedAdapters:
             self.client.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)}, text=True)
         except ServerError as exc:
             raise self._refusal(exc, version, path) from None
-        self.last_load_s = time.perf_counter() - started
 
     def _refusal(self, exc: ServerError, version: int | None, path: Path) -> Exception:
         """One line naming the setting; a :class:`ServerMismatch` (refused at connection, before any row)
