@@ -20,7 +20,6 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, Protocol
 
 from rlhf_pipeline.generation.engine import BadAnswer, EngineDied, EngineFailed
@@ -51,6 +50,12 @@ class ServerError(EngineFailed):
         """The server's own message (its JSON ``message``/``detail``, or the body's start)."""
 
 
+def _to_stderr(line: str) -> None:
+    # sys.stderr looked up at each call: a partial would keep the stream of import time, and miss a
+    # redirection made later (a quiet replay rank's, a test's capture)
+    print(line, file=sys.stderr, flush=True)
+
+
 @dataclass
 class Retries:
     """``generation.retries``, ``backoff_s`` and ``timeout_s`` as one client uses them: a request the
@@ -62,7 +67,7 @@ class Retries:
     retries: int = 5
     backoff_s: float = 1.0
     timeout_s: float | None = 600.0
-    announce: Callable[[str], None] = field(default=partial(print, file=sys.stderr, flush=True), repr=False)
+    announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0
     """Restarts since the server last answered."""

@@ -195,3 +195,9 @@ def test_a_server_that_wants_an_api_key_is_refused_naming_the_variable(scripted,
     with pytest.raises(ServerMismatch, match=r"refused the key in \$VLLM_API_KEY"):
         make_engine(settings, model, pad_token_id=0, stop_token_ids=[tok.eos_token_id], tokenizer=tok)
     assert scripted.authorizations == [None, None, "Bearer sesame", "Bearer sesame"]
+
+
+def test_a_restart_line_goes_to_the_stderr_of_the_moment_it_is_said(capsys):
+    # a quiet replay rank redirects sys.stderr after this module was imported: the line must follow it
+    Retries().announce("[collector 0] restarting the vLLM server")
+    assert capsys.readouterr().err == "[collector 0] restarting the vLLM server\n"
