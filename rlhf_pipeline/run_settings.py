@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, ClassVar, Literal
 
 from rlhf_pipeline.evaluation.settings import EvalSettings
-from rlhf_pipeline.setting_checks import Bounds, check_fields
+from rlhf_pipeline.setting_checks import SEEDS, Bounds, check_fields
 from rlhf_pipeline.generation.settings import GenerationSettings, check_generation
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.storage.retention import RetentionSettings
@@ -74,7 +74,7 @@ class RunSettings:
     """Learner steps (optimizer updates); --steps sets it."""
     device: Literal["cpu", "cuda"] = "cpu"
     """Where models run; --device sets it."""
-    seed: int = 0
+    seed: Annotated[int, SEEDS] = 0
     """Seed of the model init, warm start, prompt order, sampling and learner."""
     threads: Annotated[int | None, Bounds(ge=1)] = 1
     """Torch threads per process (collector, learner, warm start): the two sides run at once, so

@@ -45,10 +45,19 @@ class Bounds:
         low, high = (self.ge, "[") if self.ge is not None else (self.gt, "(")
         top, close = (self.le, "]") if self.le is not None else (self.lt, ")")
         if low is not None and top is not None:
-            return f"in {high}{low:g}, {top:g}{close}"
+            return f"in {high}{_number(low)}, {_number(top)}{close}"
         if low is not None:
-            return f"{'>=' if high == '[' else '>'} {low:g}"
-        return f"{'<=' if close == ']' else '<'} {top:g}"
+            return f"{'>=' if high == '[' else '>'} {_number(low)}"
+        return f"{'<=' if close == ']' else '<'} {_number(top)}"
+
+
+SEEDS = Bounds(ge=0, lt=2**32)
+"""A seed's range: NumPy's, and what most trainers take. The seeds derived from it (per collector, per
+sampler draw) stay within the 64 bits torch's generators take."""
+
+
+def _number(bound: float) -> str:
+    return str(int(bound)) if isinstance(bound, int) else f"{bound:g}"  # 4294967296, not 4.29497e+09
 
 
 def bounds_error(key: str, value: Any, bounds: Bounds, *, takes_none: bool) -> str:

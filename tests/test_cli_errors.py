@@ -37,6 +37,7 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--kl-coef shapes the KL recomputed with a reference model: give --ref-model MODEL_DIR|RUN_DIR too, or drop it"),
     (["replay", "pipelines/default.py", "--buffer", ".", "--kl-coef", "nan", "--ref-model", "."],
      "--kl-coef must be a finite number >= 0, got nan"),
+    (["replay", "pipelines/default.py", "--buffer", ".", "--seed", "-1"], "--seed must be in [0, 4294967296), got -1"),
     # these three printed their own line, without "error:"
     (["inspect", ".", "--vocab-size", "0"], "--vocab-size 0: give a vocabulary size >= 1, with --verify"),
     (["repair", ".", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
@@ -48,7 +49,8 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--device cpu and --set device=cuda disagree (--device sets device): give one of them"),
     (["replay", "default.py", "--buffer", ".", "--set", "steps=3"],
      "--set steps: a replay's length is --steps N (or --epochs N); give that instead"),
-], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "inspect", "repair",
+], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "replay-seed",
+        "inspect", "repair",
         "convert", "run-steps-twice", "learn-device-twice", "replay-set-steps"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own

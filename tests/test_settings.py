@@ -121,6 +121,10 @@ def test_a_dataclass_built_in_python_is_checked_as_one_built_from_set(build, mes
     ("pipelines/default.py", "generation.gpu_memory_utilization=0", "setting 'generation.gpu_memory_utilization' "
                                                                     "must be in (0, 1], got 0.0"),
     ("pipelines/default.py", "eval.max_prompts=0", "setting 'eval.max_prompts' must be >= 1 or none (all), got 0"),
+    # torch's generators take 64 bits and the run derives seeds from this one: a seed past them made the
+    # collector's process die with "Overflow when unpacking long long", after the learner had started
+    ("pipelines/default.py", "seed=4294967296", "setting 'seed' must be in [0, 4294967296), got 4294967296"),
+    ("pipelines/tool_use.py", "seed=-1", "setting 'seed' must be in [0, 4294967296), got -1"),
     # each value of a tuple is held to the field's bounds, and a tuple of fixed length to its length: torch's
     # AdamW refused these in the learner's process, after the collector had started
     ("pipelines/default.py", "learner.adam_betas=1,2", "setting 'learner.adam_betas' must be in [0, 1) (each of the "
@@ -144,7 +148,9 @@ def test_the_settings_list_shows_each_fields_bounds():
     for line in ("  num_heads (int, >= 1) = 4", "  group_size (int, >= 2) = 8", "  temperature (float, > 0) = 1.0",
                  "  threads (int | None, >= 1) = 1", "  learner.loss.clip_eps_low (float, in [0, 1)) = 0.2"):
         assert line in listed.splitlines(), line
-    assert "  seed (int) = 0" in listed.splitlines()  # no bounds, none shown
+    assert "  seed (int, in [0, 4294967296)) = 0" in listed.splitlines()
+    assert "  learner.lora.dropout (float, in [0, 1)) = 0.0" in listed.splitlines()
+    assert "  buffer_url (str | None) = None" in listed.splitlines()  # no bounds, none shown
 
 
 def test_bounds_refuse_nan_and_pass_none_where_the_field_takes_it():
@@ -220,6 +226,7 @@ def test_a_pipelines_own_rules_run_with_every_construction():
     (["--set", "learner.sampler=exakt"], "setting 'learner.sampler' must be one of ['window', 'exact', 'groups', "
                                          "'prioritized', 'epoch'], got 'exakt'; did you mean 'exact'?"),
     (["--set", "learner.temperature=0.5"], "setting 'learner.temperature' is set from 'temperature'"),
+    (["--set", "seed=100000000000000"], "setting 'seed' must be in [0, 4294967296), got 100000000000000"),
 ])
 def test_the_real_cli_refuses_a_bad_setting_in_one_line_before_anything_starts(tmp_path, argv, message):
     command = Path(sys.executable).with_name("rlhf-pipeline")

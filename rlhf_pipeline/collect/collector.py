@@ -27,7 +27,7 @@ from rlhf_pipeline.collect.episodes import EndedGroup, Environments, SingleTurn
 from rlhf_pipeline.collect.prompts import RecordCycle
 from rlhf_pipeline.collect.rewards import check_failure_rate
 from rlhf_pipeline.collect.turns import EngineTurns, RoundTurns
-from rlhf_pipeline.setting_checks import Bounds, check_fields
+from rlhf_pipeline.setting_checks import SEEDS, Bounds, check_fields
 from rlhf_pipeline.generation.engine import GenerationEngine, draw_seed
 from rlhf_pipeline.generation.loop import LoopEngine
 from rlhf_pipeline.generation.sampling import SamplingConfig
@@ -48,7 +48,7 @@ class CollectorConfig:
     ``max_new_tokens`` is its episode's own limit)."""
     collector_index: int = 0
     """This collector's index among collectors writing one run; goes in the ids' high bits."""
-    seed: int = 0
+    seed: Annotated[int, SEEDS] = 0
     """Seed of the collector's generator (mixed with ``collector_index`` so collectors differ)."""
     max_failed_group_fraction: Annotated[float | None, Bounds(ge=0, le=1)] = 0.1
     """Groups dropped (a reward that is not finite, an episode whose environment failed) may be at most

@@ -10,6 +10,7 @@ import math
 from typing import Any
 
 from rlhf_pipeline.pipeline import PipelineError
+from rlhf_pipeline.setting_checks import SEEDS
 
 
 # options that mean something only with a --ref-model: the KL it recomputes
@@ -44,6 +45,8 @@ class ReplayOptions:
             raise PipelineError(f"--epochs must be >= 1, got {self.epochs}")
         if self.steps is not None and self.steps < 1:
             raise PipelineError(f"--steps must be >= 1, got {self.steps}")
+        if self.seed is not None and not SEEDS.allows(self.seed):
+            raise PipelineError(f"--seed must be {SEEDS}, got {self.seed}")
         if not (math.isfinite(self.kl_coef) and self.kl_coef >= 0):
             raise PipelineError(f"--kl-coef must be a finite number >= 0, got {self.kl_coef}")
         if self.advantage_baseline not in (None, "mean", "leave-one-out"):

@@ -50,9 +50,15 @@ def test_rows_are_valid_grouped_and_uniquely_identified(tiny):
 
 
 def test_collectors_with_different_indices_never_share_ids(tiny):
+    from rlhf_pipeline.schema.ids import MAX_COLLECTORS
+    from rlhf_pipeline.setting_checks import SEEDS
+
     model, tok = tiny
     a = _collector(model, tok, index=0).collect()
     b = _collector(model, tok, index=1).collect()
+    # the largest seed with the last index still seeds the collector's generator (64 bits in torch)
+    last = _collector(model, tok, index=MAX_COLLECTORS - 1, seed=int(SEEDS.lt) - 1).collect()
+    assert bool(((last["trajectory_id"] >> ID_COUNTER_BITS) == MAX_COLLECTORS - 1).all())
     assert not set(a["trajectory_id"].tolist()) & set(b["trajectory_id"].tolist())
     assert not set(a["group_id"].tolist()) & set(b["group_id"].tolist())
 
@@ -115,6 +121,8 @@ def test_config_errors():
         CollectorConfig(group_size=0)
     with pytest.raises(ValueError, match="collector_index"):
         CollectorConfig(collector_index=-1)
+    with pytest.raises(ValueError, match=r"'CollectorConfig.seed' must be in \[0, 4294967296\), got 4294967296"):
+        CollectorConfig(seed=2**32)
 
 
 def test_rows_round_trip_through_a_memmap_store(tiny, tmp_path):

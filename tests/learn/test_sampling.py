@@ -31,6 +31,25 @@ def test_make_sampler_builds_the_named_sampler_from_the_settings(tmp_path):
     store.close()
 
 
+@pytest.mark.parametrize("name", sorted(SAMPLERS))
+def test_every_sampler_draws_with_the_largest_seed_a_run_takes(tmp_path, name):
+    """Each draw seeds a generator from the run's seed and the draw's index; with the largest seed
+    ``RunSettings.seed`` takes, that stays within the 64 bits torch's generators take (a larger seed
+    is refused with the setting's name before any process starts: tests/test_settings.py)."""
+    from rlhf_pipeline.schema import StoreSchema
+    from rlhf_pipeline.setting_checks import SEEDS
+
+    store = create_store(tmp_path / "buf", "memmap", schema=StoreSchema(optional=("advantage",)))
+    store.append(make_batch(8, 4, optional=("advantage",)))
+    reader = open_store(tmp_path / "buf")
+    settings = LearnerSettings(sampler=name, batch_size=8, sample_window=8, new_rows_per_step=8, max_staleness=None)
+    sampler = make_sampler(settings, reader, seed=int(SEEDS.lt) - 1, stop=threading.Event(), timeout_s=1.0)
+    drawn = sampler.draw(0).positions.tolist()
+    assert len(drawn) == 8 and set(drawn) <= set(range(len(reader)))
+    reader.close()
+    store.close()
+
+
 @pytest.mark.parametrize("name", ["window", "exact", "groups", "prioritized"])
 def test_a_sampler_waiting_for_rows_reads_them_before_its_readers_refresh_interval_is_up(tmp_path, name):
     """A reader at a URL re-reads the buffer at most once per ``refresh_interval_s`` (1 s) however often
