@@ -113,10 +113,13 @@ def _newest_whole(store, total: int) -> int:
 
 def _positions_of(store, trajectory_id: int, total: int) -> torch.Tensor:
     found, low, high = [], None, None
+    # ids are int64 and >= 0 (schema/ids.py): one past int64 is in no buffer, as -1 is not, and torch
+    # cannot compare it
+    wanted = trajectory_id if 0 <= trajectory_id < 2**63 else -1
     for start in range(0, total, _SEARCH_ROWS):
         ids = store.read(torch.arange(start, min(total, start + _SEARCH_ROWS)), fields=("trajectory_id",))
         ids = ids["trajectory_id"]
-        found.append(torch.nonzero(ids == trajectory_id).flatten() + start)
+        found.append(torch.nonzero(ids == wanted).flatten() + start)
         low = int(ids.min()) if low is None else min(low, int(ids.min()))
         high = int(ids.max()) if high is None else max(high, int(ids.max()))
     positions = torch.cat(found)

@@ -75,6 +75,9 @@ def test_the_view_holds_the_episodes_ids_and_mask_turn_by_turn(stored):
         assert find_trajectory(store, row=4).trajectory_id == 1  # rows 0-2 are trajectory 0's three turns
         with pytest.raises(TrajectoryNotFound, match="trajectory 7 is not in .* ids run from 0 to 2"):
             find_trajectory(store, 7)
+        # past int64, where the ids are kept: torch raised OverflowError, a traceback out of `show`
+        with pytest.raises(TrajectoryNotFound, match=f"trajectory {2**64} is not in .* ids run from 0 to 2"):
+            find_trajectory(store, 2**64)
 
 
 def test_pieces_join_to_the_decoded_text_even_across_split_characters(bpe_tokenizer):
