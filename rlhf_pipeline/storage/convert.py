@@ -42,7 +42,7 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
     """
     target_cls = backend_class(to)
     with open_store(src, mode="r") as source:
-        rows_per_step = segment_rows or segment_rows_of(source)
+        rows_per_step = segment_rows_of(source) if segment_rows is None else segment_rows
         capacity = getattr(source, "capacity_rows", None)
         dst_options.setdefault("segment_rows", rows_per_step)
         if capacity is not None:

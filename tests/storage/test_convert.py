@@ -71,6 +71,9 @@ def test_cli_convert_with_verify(tmp_path, capsys):
     assert main(["convert", src, dst, "--to", "zarr", "--quiet"]) == 2
     assert "already holds" in capsys.readouterr().err
     assert main(["convert", str(tmp_path / "nothing"), str(tmp_path / "x"), "--to", "memmap", "--quiet"]) == 2
+    # 0 rows per segment is refused as filter refuses it: it read as "not given", the source's size
+    assert main(["convert", src, str(tmp_path / "zero"), "--to", "zarr", "--segment-rows", "0", "--quiet"]) == 2
+    assert "segment_rows must be >= 1, got 0" in capsys.readouterr().err and not (tmp_path / "zero").exists()
 
 
 def test_cli_converts_a_sharded_buffer_shard_by_shard_and_names_the_ratio_one_way(tmp_path, capsys):
