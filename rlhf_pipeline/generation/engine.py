@@ -169,8 +169,6 @@ class EngineStats:
     last_update_s: float = 0.0
     """Seconds the last :meth:`GenerationEngine.load_weights` took, from call to return."""
     update_s_total: float = 0.0
-    reported_s: float = 0.0
-    """``update_s_total`` at the last :meth:`update_metrics`."""
     starts: int = 0
     """Times an engine with a process of its own started it (0 for our loop, which has none): one
     for a whole run when weights change in place."""
@@ -186,22 +184,27 @@ class EngineStats:
     counts_cached: bool = False
     """True for an engine that reports its prefix cache's hits (vLLM): the round metrics then have
     ``prompt_tokens`` and ``prefix_cached_tokens``."""
-    cached_reported: tuple[int, int] = (0, 0)
-    """``(prompt_tokens, cached_tokens)`` at the last :meth:`update_metrics`."""
+    totals_reported: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each total a round's metric counts from, as it stood at the last :meth:`update_metrics`."""
+
+    def since_last_report(self, **totals: float) -> dict[str, float]:
+        """How much each of ``totals`` grew since the last report, which then counts from them."""
+        since = {name: float(total - self.totals_reported.get(name, 0)) for name, total in totals.items()}
+        self.totals_reported.update(totals)
+        return since
 
     def update_metrics(self) -> dict[str, float]:
         """A round's metrics (docs/generation.md's table): seconds spent loading weights since the last
         call (a collector loads at most one version a round), updates so far, an engine process's starts,
         and a prefix cache's prompt tokens since the last call and how many it held."""
-        since, self.reported_s = self.update_s_total - self.reported_s, self.update_s_total
-        metrics = {"weight_update_s": since, "weight_updates": float(self.weight_updates)}
+        metrics = {**self.since_last_report(weight_update_s=self.update_s_total),
+                   "weight_updates": float(self.weight_updates)}
         if self.starts:
             metrics.update(engine_starts=float(self.starts), engine_restarts=float(self.restarts),
                            engine_start_s=self.start_s)
         if self.counts_cached:  # this round's prompt tokens and those found in the prefix cache
-            prompts, cached = self.prompt_tokens - self.cached_reported[0], self.cached_tokens - self.cached_reported[1]
-            self.cached_reported = (self.prompt_tokens, self.cached_tokens)
-            metrics.update(prompt_tokens=float(prompts), prefix_cached_tokens=float(cached))
+            metrics.update(self.since_last_report(prompt_tokens=self.prompt_tokens,
+                                                  prefix_cached_tokens=self.cached_tokens))
         return metrics
 
 

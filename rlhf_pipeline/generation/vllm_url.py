@@ -59,18 +59,16 @@ class ServerStats(EngineStats):
 
     client: Any = None  # the engine's, not the engine: an owned server holds these stats
     weights: Any = None
-    reported: tuple[float, ...] = (0, 0.0, 0, 0.0, 0)
+
+    def http_totals(self) -> dict[str, float]:
+        client = self.client
+        return {"http_requests": client.requests_sent, "http_request_s": client.request_s,
+                "http_connections": client.connections_opened}
 
     def update_metrics(self) -> dict[str, float]:
-        client, weights = self.client, self.weights
-        now = (client.requests_sent, client.request_s, client.connections_opened, weights.waited_s, weights.loads)
-        since = [float(a - b) for a, b in zip(now, self.reported)]
-        self.reported = now
-        metrics = {**super().update_metrics(), "http_requests": since[0], "http_request_s": since[1],
-                   "http_connections": since[2]}
-        if weights.shared:
-            metrics.update(lease_wait_s=since[3], server_loads=since[4])
-        return metrics
+        metrics = {**super().update_metrics(), **self.since_last_report(**self.http_totals())}
+        shared = self.since_last_report(lease_wait_s=self.weights.waited_s, server_loads=self.weights.loads)
+        return {**metrics, **shared} if self.weights.shared else metrics
 
 
 class VLLMURLEngine(GenerationEngine):
@@ -126,9 +124,10 @@ class VLLMURLEngine(GenerationEngine):
         except BaseException:
             self.close()
             raise
-        # a round's figures, not the connection checks'
-        self.stats.reported = (self.client.requests_sent, self.client.request_s, self.client.connections_opened, 0.0, 0)
-        self.stats.cached_reported = (self.stats.prompt_tokens, self.stats.cached_tokens)
+        # a round's figures, not the connection checks', but for the first load of this engine's weights
+        self.stats.totals_reported.update(self.stats.http_totals(), prompt_tokens=self.stats.prompt_tokens,
+                                          prefix_cached_tokens=self.stats.cached_tokens, lease_wait_s=0.0,
+                                          server_loads=0)
 
     @property
     def url(self) -> str:

@@ -117,6 +117,20 @@ def test_weights_move_forward_with_their_time_recorded_and_scoring_is_teacher_fo
         torch.testing.assert_close(torch.tensor(log_probs), torch.tensor(completion.log_probs), atol=1e-4, rtol=0)
 
 
+def test_a_rounds_metrics_count_what_grew_since_the_last_report():
+    """The prefix cache's figures of an engine that reports them, as the weight loads' seconds above:
+    each round's, not the totals."""
+    from rlhf_pipeline.generation.engine import EngineStats
+
+    stats = EngineStats(counts_cached=True)
+    stats.prompt_tokens, stats.cached_tokens = 10, 4
+    assert stats.update_metrics() == {"weight_update_s": 0.0, "weight_updates": 0.0, "prompt_tokens": 10.0,
+                                      "prefix_cached_tokens": 4.0}
+    stats.prompt_tokens, stats.cached_tokens, stats.update_s_total = 25, 13, 0.5
+    assert stats.update_metrics() == {"weight_update_s": 0.5, "weight_updates": 0.0, "prompt_tokens": 15.0,
+                                      "prefix_cached_tokens": 9.0}
+
+
 def test_seeds_come_from_the_generator_and_a_request_needs_a_completion(tiny):
     first, second = torch.Generator().manual_seed(9), torch.Generator().manual_seed(9)
     assert [draw_seed(first) for _ in range(3)] == [draw_seed(second) for _ in range(3)]
