@@ -39,8 +39,14 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--kl-coef must be a finite number >= 0, got nan"),
     (["replay", "pipelines/default.py", "--buffer", ".", "--seed", "-1"], "--seed must be in [0, 4294967296), got -1"),
     # these three printed their own line, without "error:"
-    (["inspect", ".", "--vocab-size", "0"], "--vocab-size 0: give a vocabulary size >= 1, with --verify"),
-    (["repair", ".", "--vocab-size", "0"], "--vocab-size must be >= 1, got 0"),
+    (["inspect", ".", "--vocab-size", "0"], "--vocab-size must be in [1, 2147483648] (token ids are stored as int32), "
+                                            "got 0"),
+    (["inspect", ".", "--vocab-size", "151"], "--vocab-size 151: token ids are checked against it with --verify"),
+    (["repair", ".", "--vocab-size", "0"], "--vocab-size must be in [1, 2147483648] (token ids are stored as int32), "
+                                           "got 0"),
+    # past int64 torch raised OverflowError comparing the ids with it: a traceback
+    (["repair", ".", "--vocab-size", str(2**64)], f"--vocab-size must be in [1, 2147483648] (token ids are stored as "
+                                                  f"int32), got {2**64}"),
     (["convert", "no-such-buffer", "out", "--to", "zarr"], "no-such-buffer does not exist"),
     # a flag and the --set of its setting: the one given later silently won
     (["run", "default.py", "--steps", "3000", "--set", "steps=320"],
@@ -50,7 +56,7 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
     (["replay", "default.py", "--buffer", ".", "--set", "steps=3"],
      "--set steps: a replay's length is --steps N (or --epochs N); give that instead"),
 ], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "replay-seed",
-        "inspect", "repair",
+        "inspect", "inspect-without-verify", "repair", "repair-past-int64",
         "convert", "run-steps-twice", "learn-device-twice", "replay-set-steps"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own

@@ -32,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
     import warnings
 
     from rlhf_pipeline.dataio.progress import progress_reporter
-    from rlhf_pipeline.cli.vocabulary import model_vocabulary
+    from rlhf_pipeline.cli.vocabulary import check_vocab_size, model_vocabulary
     from rlhf_pipeline.storage.buffers import buffer_stats, verify_buffer
     from rlhf_pipeline.storage.errors import StoreError
 
@@ -41,8 +41,10 @@ def run(args: argparse.Namespace) -> int:
                                             run_store_at)
     from rlhf_pipeline.runs.run_directory import HOLDER_FILE
 
-    if args.vocab_size is not None and (args.vocab_size < 1 or not args.verify):
-        raise CommandRefused(f"--vocab-size {args.vocab_size}: give a vocabulary size >= 1, with --verify")
+    check_vocab_size(args.vocab_size)
+    if args.vocab_size is not None and not args.verify:
+        raise CommandRefused(f"--vocab-size {args.vocab_size}: token ids are checked against it with --verify; "
+                             f"give that too")
     lineage, path = None, args.path
     if "://" not in str(path) or str(path).startswith(RUN_URL_SCHEMES):  # a run (or a buffer) here or at a URL
         try:

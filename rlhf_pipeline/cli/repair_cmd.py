@@ -37,11 +37,10 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.buffers import repair_buffer
     from rlhf_pipeline.storage.errors import StoreError, StoreLockedError
 
-    from rlhf_pipeline.cli.vocabulary import model_vocabulary
+    from rlhf_pipeline.cli.vocabulary import check_vocab_size, model_vocabulary
     from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run
 
-    if args.vocab_size is not None and args.vocab_size < 1:
-        raise CommandRefused(f"--vocab-size must be >= 1, got {args.vocab_size}")
+    check_vocab_size(args.vocab_size)
     path, run_dir = args.path, None
     if "://" not in str(path):  # a run directory, or a run's buffer/: the run says its model's vocabulary
         if is_run(path):

@@ -72,7 +72,7 @@ def test_inspect_verify_of_a_run_checks_token_ids_against_its_models_vocabulary(
 
 def test_a_vocabulary_size_without_verify_or_below_one_is_refused_in_one_line(tmp_path, capsys):
     _planted(tmp_path / "buffer", 102)
-    for flags in (["--vocab-size", "102"], ["--verify", "--vocab-size", "0"]):
+    for flags in (["--vocab-size", "102"], ["--verify", "--vocab-size", "0"], ["--verify", "--vocab-size", str(2**40)]):
         assert main(["inspect", str(tmp_path / "buffer"), *flags]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "--vocab-size" in err
