@@ -106,6 +106,13 @@ def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts
         (["run", DEFAULT, "--set", "generation.timeout_s=-5"], "setting 'generation.timeout_s' is for "
                                                                   "generation.engine=vllm or generation.url; this run "
                                                                   "generates with the loop: drop it"),
+        # numbers past what the run can derive from them: the collector's process died on each, once the
+        # learner had started ("Overflow when unpacking long long"; 2**64 collectors were counted out first)
+        (["run", DEFAULT, "--set", "seed=1732900000000000000"], "setting 'seed' must be in [0, 4294967296), got "
+                                                                "1732900000000000000"),
+        (["run", DEFAULT, "--collectors", str(2**64)], f"--collectors must be in [1, 8388608], got {2**64}"),
+        (["collect", DEFAULT, "--collector-index", str(2**23)], "--collector-index must be in [0, 8388608), got "
+                                                                "8388608"),
     ]
     argvs = [[*argv, "--home", home] for argv, _ in cases]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argvs)],
@@ -117,3 +124,16 @@ def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts
     assert not report["torch"]
     # no run directory (`run` makes --home itself before the pipeline's own check() runs)
     assert not (tmp_path / "home").exists() or not any((tmp_path / "home").iterdir())
+
+
+def test_more_collectors_than_the_open_file_limit_allows_pipes_for_are_refused_in_one_line(tmp_path):
+    """Each child gets a pipe from the launcher: past the open-file limit ``run`` ended in a traceback
+    (OSError: Too many open files). Now one line names the limit, and no process or run is left."""
+    home = tmp_path / "home"
+    done = subprocess.run(["bash", "-c", 'ulimit -n 64 && exec "$@"', "bash", sys.executable, "-m",
+                           "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", str(home), "--collectors", "40",
+                           "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert ("could not start 41 processes, a pipe each: Too many open files (this shell's limit is 64, `ulimit -n`); "
+            "raise it or start fewer --collectors") in done.stderr
+    assert not home.exists() or not any(home.iterdir())

@@ -13,9 +13,11 @@ from rlhf_pipeline.cli import CommandRefused
 
 def check_vocab_size(given: int | None) -> None:
     """Refuses a ``--vocab-size`` that is not a size token ids can have: they are stored as int32."""
-    from rlhf_pipeline.schema.fields import TOKEN_ID_MAX  # torch: only where the size is checked
+    if given is None:
+        return
+    from rlhf_pipeline.schema.fields import TOKEN_ID_MAX  # imports torch: only once there is a size to check
 
-    if given is not None and not 1 <= given <= TOKEN_ID_MAX + 1:
+    if not 1 <= given <= TOKEN_ID_MAX + 1:
         raise CommandRefused(f"--vocab-size must be in [1, {TOKEN_ID_MAX + 1}] (token ids are stored as int32), "
                              f"got {given}")
 

@@ -6,9 +6,11 @@ file means the launcher is gone. The learner child prepares the run and reports 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -16,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from rlhf_pipeline.processes import exit_status, free_port
-from rlhf_pipeline.runs.forking import COMMAND_MODULE, ChildSpec, can_fork_children, fork_children
+from rlhf_pipeline.runs.forking import COMMAND_MODULE, ChildSpec, ForkError, can_fork_children, fork_children
 
 GO = "go"
 # what the learner child of `run` reports while it prepares the run (LauncherReports)
@@ -102,18 +104,23 @@ def start_processes(specs: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ())
     """A process for each of ``specs``, each with a pipe as its stdin (the handle's ``stdin``):
     forked from one process that imports torch & co. once where the system allows it
     (``forking.fork_children``), else each a new interpreter. ``pass_fds``: every descriptor any of
-    them keeps. If one cannot be started, those started are killed."""
-    if can_fork_children():
-        return fork_children(specs, pass_fds=pass_fds, holds_imports=holds_preloaded())
+    them keeps. If one cannot be started, those started are killed; ForkError when this process may
+    not open a pipe for each."""
     started: list[subprocess.Popen] = []
     try:
+        if can_fork_children():
+            return fork_children(specs, pass_fds=pass_fds, holds_imports=holds_preloaded())
         for spec in specs:
             started.append(subprocess.Popen([sys.executable, "-m", COMMAND_MODULE, *spec.argv], stdin=subprocess.PIPE,
                                             text=True, pass_fds=spec.keep_fds, env=spec.env))
-    except BaseException:
+    except BaseException as exc:
         for process in started:
             process.kill()
             process.wait()
+        if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
+            limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            raise ForkError(f"could not start {len(specs)} processes, a pipe each: {exc.strerror} (this shell's "
+                            f"limit is {limit}, `ulimit -n`); raise it or start fewer --collectors") from None
         raise
     return started
 

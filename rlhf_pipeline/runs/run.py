@@ -46,6 +46,7 @@ from rlhf_pipeline.runs.processes import (
     with_buffer_url,
 )
 from rlhf_pipeline.runs.summary import print_interrupted, print_summary
+from rlhf_pipeline.schema.ids import MAX_COLLECTORS
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
 
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
@@ -67,12 +68,12 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     if wait_for_launcher:  # a child of `run`, started before the run directory was ready
         if not launch.wait_for_launcher(command, prepares=status_fd is not None):
             return 0  # run's checks failed or it was interrupted; it says why
-    if collectors < 1:
-        raise PipelineError(f"--collectors must be >= 1, got {collectors}")
+    if not 1 <= collectors <= MAX_COLLECTORS:  # the ids a collector hands out keep its index in their high bits
+        raise PipelineError(f"--collectors must be in [1, {MAX_COLLECTORS}], got {collectors}")
     named_by_index = collector_index is not None
     collector_index = collector_index or 0
-    if collector_index < 0:
-        raise PipelineError(f"--collector-index must be >= 0, got {collector_index}")
+    if not 0 <= collector_index < MAX_COLLECTORS:
+        raise PipelineError(f"--collector-index must be in [0, {MAX_COLLECTORS}), got {collector_index}")
     if steps is not None and steps < 1:  # before anything is written, as `replay` refuses it
         raise PipelineError(f"--steps must be >= 1, got {steps}")
     cli_overrides = with_flags(overrides, steps=steps if command != "collect" else None, device=device)

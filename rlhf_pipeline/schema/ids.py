@@ -11,7 +11,10 @@ Design: docs/architecture.md#rows-and-the-padded-batch.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the launcher checks --collectors against MAX_COLLECTORS without loading torch
+    import torch
 
 ID_COUNTER_BITS = 40  # 1.1e12 trajectories per collector before ids would collide
 MAX_COLLECTORS = 2 ** (63 - ID_COUNTER_BITS)  # ids stay positive int64
