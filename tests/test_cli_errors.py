@@ -29,6 +29,10 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
 @pytest.mark.parametrize("argv, words", [
     (["filter", "./buffer", "kept"], "give SRC, DST (or --dry-run) and --where"),
     (["import", "rows.jsonl", "buffer", "--rows-per-chunk", "0"], "--rows-per-chunk must be >= 1"),
+    # -1 was refused by the write path after the rows were read, as a fault of the source; past int64, a traceback
+    (["import", "rows.jsonl", "buffer", "--policy-version", "-1"], "--policy-version must be in [0, 2**63), got -1"),
+    (["import", "rows.jsonl", "buffer", "--policy-version", str(2**64)],
+     f"--policy-version must be in [0, 2**63), got {2**64}"),
     (["export-model", "./run"], "OUT is required"),
     (["replay", "pipelines/default.py"], "--buffer PATH is required"),
     (["show", "no-such-buffer"], "no-such-buffer does not exist"),
@@ -55,7 +59,7 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--device cpu and --set device=cuda disagree (--device sets device): give one of them"),
     (["replay", "default.py", "--buffer", ".", "--set", "steps=3"],
      "--set steps: a replay's length is --steps N (or --epochs N); give that instead"),
-], ids=["filter", "import", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "replay-seed",
+], ids=["filter", "import", "import-version-below-0", "import-version-past-int64", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "replay-seed",
         "inspect", "inspect-without-verify", "repair", "repair-past-int64",
         "convert", "run-steps-twice", "learn-device-twice", "replay-set-steps"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):

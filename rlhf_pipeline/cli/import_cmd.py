@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     # arguments first: the imports below (torch, transformers) take seconds
     if args.rows_per_chunk < 1:
         raise CommandRefused("--rows-per-chunk must be >= 1")
+    if args.policy_version is not None and not 0 <= args.policy_version < 2**63:  # stored as int64, from 0
+        raise CommandRefused(f"--policy-version must be in [0, 2**63), got {args.policy_version}")
     if args.pipeline is not None and not Path(args.pipeline).is_file():
         raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")
     args.buffer = store_or_run(args.buffer, args.home, "BUFFER")
