@@ -135,5 +135,5 @@ def test_more_collectors_than_the_open_file_limit_allows_pipes_for_are_refused_i
                            "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
     assert ("could not start 41 processes, a pipe each: Too many open files (this shell's limit is 64, `ulimit -n`); "
-            "raise it or start fewer --collectors") in done.stderr
+            "raise it, or start fewer (--collectors, learner.world_size)") in done.stderr
     assert not home.exists() or not any(home.iterdir())

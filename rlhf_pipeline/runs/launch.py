@@ -120,7 +120,8 @@ def start_processes(specs: Sequence[ChildSpec], *, pass_fds: Sequence[int] = ())
         if isinstance(exc, OSError) and exc.errno in (errno.EMFILE, errno.ENFILE):
             limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
             raise ForkError(f"could not start {len(specs)} processes, a pipe each: {exc.strerror} (this shell's "
-                            f"limit is {limit}, `ulimit -n`); raise it or start fewer --collectors") from None
+                            f"limit is {limit}, `ulimit -n`); raise it, or start fewer (--collectors, learner.world_size)"
+                            ) from None
         raise
     return started
 

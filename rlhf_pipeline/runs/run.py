@@ -46,8 +46,8 @@ from rlhf_pipeline.runs.processes import (
     with_buffer_url,
 )
 from rlhf_pipeline.runs.summary import print_interrupted, print_summary
-from rlhf_pipeline.schema.ids import MAX_COLLECTORS
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
+from rlhf_pipeline.schema.ids import MAX_COLLECTORS
 
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
 RayLaunch = Callable[[str, Any, Any, RunPaths, str, Sequence[str], int], int]
