@@ -126,14 +126,34 @@ def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts
     assert not (tmp_path / "home").exists() or not any((tmp_path / "home").iterdir())
 
 
-def test_more_collectors_than_the_open_file_limit_allows_pipes_for_are_refused_in_one_line(tmp_path):
-    """Each child gets a pipe from the launcher: past the open-file limit ``run`` ended in a traceback
-    (OSError: Too many open files). Now one line names the limit, and no process or run is left."""
+
+@pytest.mark.parametrize("command", ["run", "replay"])
+def test_more_processes_than_the_open_file_limit_allows_pipes_for_are_refused_in_one_line(tmp_path, command):
+    """Each child gets a pipe from its launcher: past the open-file limit ``run`` (its collectors) and
+    ``replay`` (its data-parallel ranks) ended in a traceback (OSError: Too many open files). Now one
+    line names the limit, and ``run`` leaves no run directory."""
     home = tmp_path / "home"
+    if command == "run":
+        argv, processes = ["run", DEFAULT, "--collectors", "40", "--steps", "1"], 41
+    else:
+        from rlhf_pipeline.models import char_tokenizer
+        from rlhf_pipeline.schema import StoreSchema
+        from rlhf_pipeline.schema.synthetic import synthetic_batch
+        from rlhf_pipeline.storage import create_store
+
+        rows = synthetic_batch(16, group_size=4, prompt_len=(3, 8), response_len=(1, 6), seed=0,
+                               optional_fields=("advantage",), vocab_size=len(char_tokenizer()))
+        with create_store(tmp_path / "recorded", "memmap", schema=StoreSchema.for_batch(rows)) as store:
+            store.append(rows)
+        argv = ["replay", DEFAULT, "--buffer", str(tmp_path / "recorded"), "--steps", "1",
+                "--set", "warm_start_steps=0", "--set", "learner.world_size=40"]
+        processes = 40
     done = subprocess.run(["bash", "-c", 'ulimit -n 64 && exec "$@"', "bash", sys.executable, "-m",
-                           "rlhf_pipeline.cli.main", "run", DEFAULT, "--home", str(home), "--collectors", "40",
-                           "--steps", "1"], capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
-    assert ("could not start 41 processes, a pipe each: Too many open files (this shell's limit is 64, `ulimit -n`); "
-            "raise it, or start fewer (--collectors, learner.world_size)") in done.stderr
-    assert not home.exists() or not any(home.iterdir())
+                           "rlhf_pipeline.cli.main", *argv, "--home", str(home)],
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert done.stderr.splitlines()[-1] == (
+        f"rlhf-pipeline {command}: error: could not start {processes} processes, a pipe each: Too many open files "
+        "(this shell's limit is 64, `ulimit -n`); raise it, or start fewer (--collectors, learner.world_size)")
+    if command == "run":
+        assert not home.exists() or not any(home.iterdir())

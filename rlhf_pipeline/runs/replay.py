@@ -35,6 +35,7 @@ from rlhf_pipeline.pipeline import (
 )
 from rlhf_pipeline.runs.branch import half_made_branch, offline_branch_of
 from rlhf_pipeline.runs.devices import check_cuda_device
+from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.launch import how_it_ended, start_ranks, stop_ranks
 from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run, read_parent, run_store_at
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads
@@ -142,7 +143,10 @@ def _train_on_ranks(argv: list[str], world_size: int, holder_fd: int = -1) -> in
     watches them: a failed rank stops the others; a signal here asks every rank to stop, and they
     checkpoint at the same step; this process killed, they do so on their own."""
     # the ranks inherit the run directory's holder lock: it outlives this process if it is killed first
-    ranks, stop_write = start_ranks(argv, world_size, keep_fds=(holder_fd,) if holder_fd >= 0 else ())
+    try:
+        ranks, stop_write = start_ranks(argv, world_size, keep_fds=(holder_fd,) if holder_fd >= 0 else ())
+    except ForkError as exc:
+        raise ReplayError(str(exc)) from None
     signals = LauncherSignals("replay")  # a signal before it ends this process: the pipe's end stops them
     try:
         while any(p.poll() is None for p in ranks):
