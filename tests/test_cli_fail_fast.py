@@ -47,6 +47,13 @@ def test_commands_refuse_what_they_cannot_do_before_importing_torch(tmp_path):
         (["show", str(tmp_path / "missing")], f"{tmp_path / 'missing'} does not exist"),
         (["export", str(store), str(tmp_path / "rows.parquet")],
          "exporting to Parquet needs the optional package 'pyarrow'; install it with `pip install -e '.[data]'`"),
+        # an empty argument (`"$RUN"` with RUN unset) named the current directory: `run` wrote its run there,
+        # `replay` read it as the buffer, and `branch` named the parent's home
+        (["inspect", ""], "a run or path argument is empty: give a run's name, a path or a URL"),
+        (["run", DEFAULT, "--home", ""], "--home is empty: give a directory or an s3:// or az:// URL"),
+        (["replay", DEFAULT, "--buffer", "", "--steps", "1"], "--buffer is empty"),
+        (["branch", str(store), "", "--from-step", "1"], "NEW_RUN is empty"),
+        (["import", str(tmp_path / "rows.jsonl"), ""], "BUFFER is empty"),
     ]
     if no_cuda_reason() is not None:  # this machine cannot have a GPU (CI): --device cuda is refused at once
         home = str(tmp_path / "home")
@@ -113,6 +120,9 @@ def test_settings_that_are_not_finite_numbers_are_refused_before_anything_starts
         (["run", DEFAULT, "--collectors", str(2**64)], f"--collectors must be in [1, 8388608], got {2**64}"),
         (["collect", DEFAULT, "--collector-index", str(2**23)], "--collector-index must be in [0, 8388608), got "
                                                                 "8388608"),
+        # an empty name (`--run-name "$NAME"` with NAME unset) ran, and resumed, the pipeline's default run
+        (["run", DEFAULT, "--run-name", ""], "--run-name '' is not a plain name"),
+        (["learn", DEFAULT, "--run-name", ""], "--run-name '' is not a plain name"),
     ]
     argvs = [[*argv, "--home", home] for argv, _ in cases]
     done = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(argvs)],

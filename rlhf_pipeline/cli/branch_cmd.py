@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import run_or_path, writable_output
+from rlhf_pipeline.cli.checks import refuse_empty, run_or_path, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -50,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         parent = run_or_path(args.run, args.home).rstrip("/")
         # a name ("NAME/" too, as RUN takes one): beside its parent, in the same home (where `inspect RUN` finds it)
+        refuse_empty(args.new_run, "NEW_RUN")  # "" was the parent's home itself
         name = args.new_run.rstrip("/")
         new = args.new_run if "/" in name else f"{resolved_location(parent).rstrip('/').rpartition('/')[0]}/{name}"
         writable_output(new, "NEW_RUN")

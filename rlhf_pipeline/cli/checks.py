@@ -57,6 +57,12 @@ def buffer_given(location: str, command: str) -> str:
     return run_buffer
 
 
+def refuse_empty(text: str, what: str) -> None:
+    """An empty argument (``inspect "$RUN"`` with RUN unset) named the current directory, or the home."""
+    if not text.strip():
+        raise CommandRefused(f"{what or 'a run or path argument'} is empty: give a run's name, a path or a URL")
+
+
 def _given_as_a_path(text: str) -> bool:
     """Whether a command's argument is a path or URL as given, not the bare name of a run: a URL, a
     ``/`` inside it, or a path that exists here."""
@@ -68,6 +74,7 @@ def store_or_run(text: str, home: str | None, what: str) -> str:
     as given. A bare name (no ``/``, no such path here) is the run of that name under ``home`` when
     ``--home`` is given (refused when there is none), else a new store here, as it always was; but a
     run of that name under the default home makes it ambiguous, refused naming both ways to say it."""
+    refuse_empty(text, what)
     if _given_as_a_path(text):
         return text
     from rlhf_pipeline.files.run_store import RunStoreError
@@ -123,6 +130,7 @@ def run_or_path(text: str, home: str | None = None, what: str = "") -> str:
     wrote, from any directory. As argparse's ``type``, it refuses a name that is neither before any
     heavy import, through :class:`CommandRefused` (one line, as every refusal, naming the option
     ``what`` where there is one)."""
+    refuse_empty(text, what)
     if _given_as_a_path(text):
         return text
     try:

@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
     # a run named by its name, under this replay's --home
     init_from, ref_model = (None if value is None else run_or_path(value, args.home, what=flag)
                             for value, flag in ((args.init_from, "--init-from"), (args.ref_model, "--ref-model")))
-    buffer = args.buffer and run_or_path(args.buffer, args.home, what="--buffer")  # a run by its name, too
+    # a run by its name, too
+    buffer = None if args.buffer is None else run_or_path(args.buffer, args.home, what="--buffer")
     options = ReplayOptions(
         buffer=buffer or "", init_from=init_from, epochs=args.epochs, steps=args.steps, order=args.order,
         seed=args.seed, shuffle_window_rows=args.shuffle_window_rows, ref_model=ref_model,

@@ -86,9 +86,20 @@ def check_run_name(run_name: str) -> str:
     return run_name
 
 
+def _home_or_default(home: str | Path | None) -> Path | str:
+    """``home`` as given, else :func:`default_home`. An empty ``--home`` (``--home "$DIR"`` with DIR
+    unset) is refused: it put runs in the current directory."""
+    if home is None:
+        return default_home()
+    if not str(home).strip():
+        raise RunLocationError(f"--home is empty: give a directory or an s3:// or az:// URL, or leave it out for "
+                               f"${HOME_ENV_VAR} (else storage/)")
+    return home
+
+
 def run_dir(run_name: str, home: str | Path | None = None) -> Path:
     """Run ``run_name``'s directory under ``home`` (default :func:`default_home`); no URL."""
-    base = default_home() if home is None else home
+    base = _home_or_default(home)
     return local_run_path(base, "--home" if home is not None else f"${HOME_ENV_VAR}") / local_run_path(
         check_run_name(run_name), "--run-name")
 
@@ -97,7 +108,7 @@ def run_paths(run_name: str, home: str | Path | None = None) -> RunPaths:
     """Where run ``run_name`` under ``home`` (a directory, an ``s3://`` or ``az://`` URL) keeps its state."""
     local_run_path(run_name, "--run-name")
     check_run_name(run_name)
-    base = default_home() if home is None else home
+    base = _home_or_default(home)
     if is_url(str(base)):
         url = check_run_url(str(base), "--home" if home is not None else f"${HOME_ENV_VAR}")
         return RunPaths.at_url(f"{url}/{run_name.strip('/')}")

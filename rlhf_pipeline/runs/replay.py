@@ -63,7 +63,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     if "steps" in {split_override(item)[0] for item in overrides}:  # the replay's own length set it, silently
         raise ReplayError("--set steps: a replay's length is --steps N (or --epochs N); give that instead")
     module = load_pipeline_module(pipeline_path)
-    paths = run_paths(run_name or f"{Path(pipeline_path).stem}-replay", home)
+    paths = run_paths(f"{Path(pipeline_path).stem}-replay" if run_name is None else run_name, home)
     # recorded as a run at a URL records it, so a branch of this replay continued online keeps Zarr there
     cli_overrides = zarr_where_the_buffer_is_a_url(
         with_flags(overrides, device=device), run_at_a_url=paths.url is not None)

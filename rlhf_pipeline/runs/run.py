@@ -78,7 +78,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         raise PipelineError(f"--steps must be >= 1, got {steps}")
     cli_overrides = with_flags(overrides, steps=steps if command != "collect" else None, device=device)
     module = load_pipeline_module(pipeline_path)
-    paths = run_paths(run_name or Path(pipeline_path).stem, home)
+    paths = run_paths(Path(pipeline_path).stem if run_name is None else run_name, home)  # "" is refused
     # each child (and Ray actor) is given these: a run at a URL keeps a Zarr buffer there unless told
     cli_overrides = zarr_where_the_buffer_is_a_url(cli_overrides, run_at_a_url=paths.url is not None)
     settings = make_settings(module, cli_overrides)
