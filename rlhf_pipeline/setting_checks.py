@@ -1,12 +1,12 @@
 """The checks every settings dataclass runs on itself: each choice one its type allows, each number
-finite and within the bounds declared on its field.
+finite, within 64 bits and within the bounds declared on its field.
 
 A choice is a field typed ``Literal[...]``; a bound is a :class:`Bounds` in the field's ``Annotated``
 type (``num_heads: Annotated[int, Bounds(ge=1)] = 4``). :func:`check_fields`, called by every settings
 class's ``__post_init__``, refuses a value outside either, naming the setting, the value, and the
 choices with the closest one in the words ``--set`` uses for the same mistake (:func:`choice_error`) or
-the bound; it refuses ``nan`` and ``inf``, which a range check lets through (:func:`check_finite`).
-Rules between fields stay in the class's ``__post_init__``. Imports nothing of the package.
+the bound; it refuses ``nan``, ``inf`` and integers past 64 bits, which a range check lets through
+(:func:`check_finite`). Rules between fields stay in the class's ``__post_init__``. Imports nothing of the package.
 Design: docs/pipelines.md#settings-and-set.
 """
 
@@ -162,8 +162,9 @@ def fixed_length(annotation: Any) -> int | None:
 
 def check_finite(settings: Any, prefix: str = "", *, nested: bool = True) -> Any:
     """Returns ``settings`` (a dataclass; with ``nested``, its nested dataclasses too, keys prefixed with
-    ``prefix``) when every float setting in it is finite, else raises ValueError naming the first that
-    is not and offering the field's declared default."""
+    ``prefix``) when every float setting in it is finite and every integer one fits in 64 bits (a count
+    past them passed every ``>= 1`` and failed later, in the child process that handed it to torch),
+    else raises ValueError naming the first that is not and offering the field's declared default."""
     hints = _hints(type(settings))
     for field in dataclasses.fields(settings):
         value = getattr(settings, field.name)
@@ -172,9 +173,13 @@ def check_finite(settings: Any, prefix: str = "", *, nested: bool = True) -> Any
             if nested:
                 check_finite(value, key + ".")
             continue
+        default = field.default if field.default is not dataclasses.MISSING else None
         if not_finite(value):
-            default = field.default if field.default is not dataclasses.MISSING else None
             raise ValueError(finite_error(key, value, default, takes_none=_takes_none(hints, field.name)))
+        if past_64_bits(value):
+            offer = f", e.g. its default {default!r}" if default is not None else ""
+            raise ValueError(f"setting {key!r} must fit in 64 bits (from -2**63 to 2**63 - 1), got {value!r}: "
+                             f"give a number within them{offer}")
     return settings
 
 
@@ -182,6 +187,12 @@ def not_finite(value: Any) -> bool:
     """A float (or a float in a tuple or list) that is nan or infinite."""
     values = value if isinstance(value, (tuple, list)) else (value,)
     return any(isinstance(item, float) and not math.isfinite(item) for item in values)
+
+
+def past_64_bits(value: Any) -> bool:
+    """An int (or an int in a tuple or list) that a signed 64-bit integer cannot hold."""
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(item, int) and not -2**63 <= item < 2**63 for item in values)
 
 
 def finite_error(key: str, value: Any, default: Any, *, takes_none: bool) -> str:

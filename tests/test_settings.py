@@ -134,6 +134,14 @@ def test_a_dataclass_built_in_python_is_checked_as_one_built_from_set(build, mes
                                                        "got 1: '0.9'"),
     ("pipelines/default.py", "learner.adam_betas=0.9,0.99,0.5", "setting 'learner.adam_betas' takes 2 comma-separated "
                                                                 "values, got 3"),
+    # an integer past 64 bits passed every ">= 1", then failed in a child process as torch took it: the
+    # learner's with "Overflow when unpacking long long" (threads), "cannot fit 'int' into an index-sized
+    # integer" (group_size), "can't convert negative int to unsigned" (max_lag, learner.uses_per_row)
+    *[("pipelines/default.py", f"{key}={2**63}", f"setting {key!r} must fit in 64 bits (from -2**63 to 2**63 - 1), "
+                                                 f"got {2**63}: give a number within them, e.g. its default {default}")
+      for key, default in (("threads", 1), ("group_size", 8), ("max_lag", 1), ("segment_rows", 1024),
+                           ("learner.uses_per_row", 1), ("num_prompts", 4096), ("generation.max_num_seqs", 256))],
+    ("pipelines/tool_use.py", f"max_turns={-2**70}", f"setting 'max_turns' must fit in 64 bits"),
 ])
 def test_a_number_outside_the_bounds_declared_on_its_field_is_refused_naming_them(pipeline, override, message):
     """The task's fields as the run's: ``Annotated[int, Bounds(ge=1)]`` on the field is the whole check;
