@@ -75,6 +75,19 @@ def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, word
 
 REPO_PIPELINE = str(__import__("pathlib").Path(__file__).resolve().parents[1] / "pipelines" / "default.py")
 
+
+@pytest.mark.parametrize("command", [["run"], ["learn"], ["replay", "--buffer", "."]], ids=["run", "learn", "replay"])
+def test_a_lora_learner_without_peft_is_refused_before_any_process_starts(command, monkeypatch, capsys, tmp_path):
+    """The learner's process found peft missing with a traceback, once the collectors were sampling."""
+    monkeypatch.setitem(sys.modules, "peft", None)  # as if the `lora` extra were not installed
+    monkeypatch.chdir(tmp_path)
+    assert main([command[0], REPO_PIPELINE, *command[1:], "--home", "runs", "--set", "learner.lora.rank=8"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"rlhf-pipeline {command[0]}: error: setting 'learner.lora.rank' is 8: a LoRA learner trains its "
+                   f"adapter with peft, which is not installed; install it with `pip install -e '.[lora]'` (from a "
+                   f"checkout) or `pip install 'rlhf-pipeline[lora]'`\n")
+    assert not any(tmp_path.iterdir())  # nothing written
+
 # each command's output argument, named as its refusal names it; "{out}" is where it is asked to write. The
 # inputs need only exist: the output is checked before any of them is read (which made each of these a
 # traceback once the work was done, or a misleading line: convert said the path "already holds a buffer")

@@ -427,7 +427,7 @@ class _ScoringPolicy:
             self.model.load_state_dict(state)
             self.description = f"the run's newest policy, version {self.version} ({self.run.store.describe('weights')})"
         else:
-            self.model = self.pipeline.make_policy()
+            self.model = self.pipeline.initial_policy()
             self.description = "the pipeline's make_policy() (version 0)"
         self.model.to(getattr(self.pipeline.settings, "device", "cpu")).eval()
         log(f"[import] sampling log-probs from {self.description} at temperature "

@@ -30,6 +30,7 @@ from tensordict import TensorDict
 
 from rlhf_pipeline.storage.buffers import is_url
 
+from rlhf_pipeline.learn.errors import TooFewDevices
 from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token
 from rlhf_pipeline.learn.batch import drop_stale, take_rows
 from rlhf_pipeline.learn.samplers import DataTimeoutError
@@ -136,6 +137,13 @@ class DataParallel:
             return
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
+            visible = torch.cuda.device_count()
+            if self.local_rank >= visible:  # set_device's own refusal: "invalid device ordinal", a traceback
+                raise TooFewDevices(
+                    f"learner rank {self.rank} of learner.world_size={self.world_size} trains on its own GPU, "
+                    f"cuda:{self.local_rank}, and this machine shows {visible} (CUDA_VISIBLE_DEVICES="
+                    f"{os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): set learner.world_size to {visible} or "
+                    f"fewer, or spread the ranks over machines (torchrun --nnodes, or --ray)")
             torch.cuda.set_device(self.device_for(device))
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size)
         self._started_here = True

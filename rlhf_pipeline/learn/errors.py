@@ -4,6 +4,7 @@
 skipped; nothing of it is published or checkpointed, so the newest checkpoint and every published
 version stay finite. :class:`CheckpointRefused`: a checkpoint this run's settings cannot resume (a
 full-weight checkpoint resumed as a LoRA run, or the reverse, ``learn/lora.py``), naming the setting.
+:class:`TooFewDevices`: more data-parallel ranks on one machine than it has GPUs.
 Design: docs/learner.md#a-step-that-is-not-finite.
 """
 
@@ -39,3 +40,8 @@ class NonFiniteStep(RuntimeError):
 class CheckpointRefused(ValueError):
     """The run's checkpoint cannot be resumed with this run's settings; the message names the setting
     and the value that resumes it."""
+
+
+class TooFewDevices(ValueError):
+    """A data-parallel rank whose GPU (``cuda:LOCAL_RANK``) this machine does not have; the message names
+    ``learner.world_size`` and the GPUs there are."""

@@ -1,13 +1,15 @@
-"""Whether this machine can have a CUDA device, told without importing torch (a GPU driver's files),
-so that ``--device cuda`` on a machine without one is refused before a child imports torch.
-Design: docs/pipelines.md#start-up.
+"""What a run's settings ask of this machine, told without importing torch: a CUDA device (a GPU
+driver's files) for ``--device cuda``, peft for ``learner.lora.rank > 0``; refused before a child
+imports torch to find it missing. Design: docs/pipelines.md#start-up.
 """
 
 from __future__ import annotations
 
 import glob
+import importlib.util
 import os
 import sys
+from typing import Any
 
 from rlhf_pipeline.pipeline import PipelineError
 
@@ -39,3 +41,13 @@ def check_cuda_device(device: str, what: str = "setting 'device'") -> None:
     reason = no_cuda_reason()
     if reason is not None:
         raise PipelineError(f"{what} is {device!r} but {reason}; use --device cpu")
+
+
+def check_lora_trainable(lora: Any) -> None:
+    """Raises :class:`PipelineError` when ``lora`` (``learner.lora``) asks for an adapter and peft, which
+    the learner trains it with, is not installed: the learner's process found out with a traceback once
+    the collectors were sampling. A collector needs no peft (it merges adapters with torch alone)."""
+    if lora.enabled and importlib.util.find_spec("peft") is None:
+        raise PipelineError(f"setting 'learner.lora.rank' is {lora.rank}: a LoRA learner trains its adapter with "
+                            f"peft, which is not installed; install it with `pip install -e '.[lora]'` (from a "
+                            f"checkout) or `pip install 'rlhf-pipeline[lora]'`")

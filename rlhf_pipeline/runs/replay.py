@@ -34,7 +34,7 @@ from rlhf_pipeline.pipeline import (
     zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs.branch import half_made_branch, offline_branch_of
-from rlhf_pipeline.runs.devices import check_cuda_device
+from rlhf_pipeline.runs.devices import check_cuda_device, check_lora_trainable
 from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.launch import how_it_ended, start_ranks, stop_ranks
 from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run, read_parent, run_store_at
@@ -73,6 +73,7 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
         print(describe_settings(settings))
         return 0
     check_cuda_device(settings.device)  # before torch is imported
+    check_lora_trainable(settings.learner.lora)
     if "buffer_backend" not in {split_override(item)[0] for item in cli_overrides}:
         # a replay keeps no buffer of its own: its buffer_backend is what its settings.json says (a branch of a
         # run at a URL says zarr, which that run took unless told), not the pipeline's default to be refused
@@ -374,7 +375,7 @@ def initial_policy(pipeline, init_from: str | None, source: str):
         return recorded
     print(f"[replay] initial policy: the pipeline's make_policy(), since {said} (--init-from RUN_DIR|MODEL_DIR "
           f"starts from saved weights instead)", file=sys.stderr, flush=True)
-    return pipeline.make_policy()
+    return pipeline.initial_policy()
 
 
 # settings make_policy() does not depend on: those a run may change on resume, the learner's, and where and how

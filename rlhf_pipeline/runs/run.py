@@ -27,7 +27,7 @@ from rlhf_pipeline.pipeline import (
 )
 from rlhf_pipeline.runs import launch
 from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
-from rlhf_pipeline.runs.devices import check_cuda_device
+from rlhf_pipeline.runs.devices import check_cuda_device, check_lora_trainable
 from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
@@ -89,6 +89,8 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     check_settings(module, settings)  # what they ask of this machine and point at: before any process starts
     if on_ray is None:  # now, not after a child imported torch; a Ray cluster's GPUs are not this machine's
         check_cuda_device(settings.device)
+        if command != "collect":
+            check_lora_trainable(settings.learner.lora)
     if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
                             f"setting 'buffer_backend' is {settings.buffer_backend!r}: leave buffer_backend unset "

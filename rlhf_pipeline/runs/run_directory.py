@@ -221,6 +221,8 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
     """``settings.json`` (checked against a previous start; with ``trains``, a resume's changed training
     settings recorded: files/settings_history.py), the pipeline file's copy (compared with the file given,
     :mod:`rlhf_pipeline.runs.pipeline_copy`) and the buffer shards of ``shards``; no model."""
+    if trains:  # before anything is written: a refused start leaves nothing that refuses the corrected one
+        refuse_a_loss_the_rows_cannot_feed(pipeline)
     with run_lock(paths):
         current = settings_to_json(pipeline.settings)
         store, key = paths.store, paths.key(paths.settings_file)
@@ -262,6 +264,19 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
                 _create_local_shard(pipeline, Path(find_shard(paths.buffer, index)))
 
 
+def refuse_a_loss_the_rows_cannot_feed(pipeline: Pipeline) -> None:
+    """A KL penalty (``learner.loss.kl_coef > 0``) compares each token's log-prob with the reference's,
+    which the write path stores in each row (``ref_log_probs``): a pipeline whose rows have none is
+    refused by name here, not by the learner's loss at its first step, after the collectors started."""
+    kl_coef = pipeline.learner.loss.kl_coef
+    if kl_coef and "ref_log_probs" not in pipeline.row_fields:
+        raise PipelineError(
+            f"setting 'learner.loss.kl_coef' is {kl_coef:g}: a KL penalty needs reference log-probs in every row, "
+            f"and this pipeline's rows have none (its row_fields: {', '.join(pipeline.row_fields)}). Set "
+            f"learner.loss.kl_coef=0, or make the pipeline store them: ReferenceLogProbs in its write path and "
+            f"'ref_log_probs' in its row_fields, as pipelines/qwen_math.py does")
+
+
 CREATING_SUFFIX = ".creating"  # a shard being made; list_shards never takes it for one
 
 
@@ -293,7 +308,7 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> Any:
     with run_lock(paths):
         if latest_version(paths.store) is None:
             print(f"[run] building the initial policy in {paths.location}", file=sys.stderr, flush=True)
-            model = pipeline.make_policy()
+            model = pipeline.initial_policy()
             try:
                 publish_weights(paths.store, model.state_dict(), 0)
                 return model

@@ -76,6 +76,35 @@ def test_bad_settings_fail_before_any_work(tmp_path):
     assert not (tmp_path / "bad_reward").exists()
 
 
+def test_a_kl_penalty_on_rows_without_reference_log_probs_is_refused_before_anything_is_written(tmp_path):
+    """The default pipeline stores no reference log-probs: the learner's loss refused
+    ``learner.loss.kl_coef=0.05`` with a traceback at its first step, once the run had started."""
+    result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "kl", "--set", "learner.loss.kl_coef=0.05",
+                 timeout=120)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("rlhf-pipeline run: error: setting 'learner.loss.kl_coef' is 0.05: a KL penalty "
+                                    "needs reference log-probs in every row"), result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "row_fields: advantage)" in result.stderr
+    assert not (tmp_path / "kl").exists()
+    with pytest.raises(PipelineError, match="'learner.loss.kl_coef' is 0.1: a KL penalty needs reference log-probs"):
+        run_command("learn", pipeline_path=DEFAULT, home=str(tmp_path), overrides=["learner.loss.kl_coef=0.1"])
+    assert not (tmp_path / "default").exists()
+
+
+def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
+    """A warm start that diverged: version 0 was published with NaN weights, and the collector died
+    sampling from it with a traceback (``probability tensor contains either inf, nan``)."""
+    result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "nan", "--steps", "2",
+                 "--set", "warm_start_steps=20", "--set", "warm_start_lr=1e20", timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("rlhf-pipeline run: error: the initial policy the pipeline's make_policy() built is "
+                            "not finite ("), result.stderr[-3000:]
+    assert "has norm nan): nothing was published or trained" in error and "warm_start_lr" in error
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "nan" / "weights").exists() and not (tmp_path / "nan" / "checkpoints").exists()
+
+
 @pytest.mark.parametrize("steps", [["--steps", "0"], ["--steps", "-5"], ["--set", "steps=0"]])
 def test_steps_below_one_are_refused_before_anything_is_written(tmp_path, steps):
     result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "none", *steps, timeout=120)

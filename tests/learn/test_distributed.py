@@ -154,6 +154,27 @@ def test_torchrun_environment_names_the_ranks():
         DataParallel(rank=2, world_size=2)
 
 
+def test_a_rank_whose_gpu_this_machine_lacks_is_refused_naming_the_world_size(monkeypatch):
+    """Rank 2 of 3 on a machine of 2 GPUs: ``torch.cuda.set_device`` refused it with a traceback ("invalid
+    device ordinal"). This machine has no GPU: torch's count of them is given, and what the rank would call
+    next is recorded instead of run."""
+    from rlhf_pipeline.learn.errors import TooFewDevices
+
+    called: list = []
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", called.append)
+    monkeypatch.setattr(torch.distributed, "init_process_group", lambda backend, **kw: called.append(backend))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    with pytest.raises(TooFewDevices) as refused:
+        DataParallel(rank=2, world_size=3, local_rank=2).start(torch.device("cuda"))
+    assert str(refused.value) == ("learner rank 2 of learner.world_size=3 trains on its own GPU, cuda:2, and this "
+                                  "machine shows 2 (CUDA_VISIBLE_DEVICES=unset): set learner.world_size to 2 or fewer, "
+                                  "or spread the ranks over machines (torchrun --nnodes, or --ray)")
+    assert called == []  # nothing started
+    DataParallel(rank=1, world_size=3, local_rank=1).start(torch.device("cuda"))
+    assert called == [torch.device("cuda", 1), "nccl"]
+
+
 def test_ranks_take_disjoint_slices_covering_the_draw():
     positions = torch.arange(10, 15)
     slices = [DataParallel(rank=r, world_size=2).local_positions(positions) for r in range(2)]
