@@ -57,7 +57,9 @@ class GRPOLossConfig:
     def __post_init__(self) -> None:
         check_fields(self, "learner.loss.")
         if self.aggregation == "constant" and self.max_tokens is None:  # its bounds refuse one below 1
-            raise ValueError("aggregation='constant' (Dr. GRPO) needs max_tokens > 0, e.g. the sampler's max_new_tokens")
+            raise ValueError("setting 'learner.loss.aggregation' is 'constant' (Dr. GRPO), which divides by "
+                             "'learner.loss.max_tokens': set it too, to the most tokens a row can sample (a single-turn "
+                             "pipeline's max_new_tokens), e.g. --set learner.loss.max_tokens=512")
         check_applies(self, "learner.loss.", {"max_tokens": ("aggregation", ("constant",))})
 
     @classmethod

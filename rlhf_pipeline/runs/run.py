@@ -91,6 +91,11 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
         check_cuda_device(settings.device)
         if command != "collect":
             check_lora_trainable(settings.learner.lora)
+    if command == "run" and settings.learner.sampler == "epoch":  # its learner found the new buffer empty: a traceback
+        raise PipelineError("setting 'learner.sampler' is 'epoch', which walks the rows a buffer holds when the learner "
+                            "starts, in epochs, and never those collectors add: for an offline pass over a recorded "
+                            "buffer use `rlhf-pipeline replay` (or `learn` on a run that has rows); `run` trains with "
+                            "exact, window, groups or prioritized")
     if paths.url is not None and settings.buffer_backend != "zarr":  # a memmap store given a URL makes a dir "s3:"
         raise PipelineError(f"a run at a URL ({paths.url}) keeps its buffer there, which needs a Zarr buffer, but "
                             f"setting 'buffer_backend' is {settings.buffer_backend!r}: leave buffer_backend unset "

@@ -91,6 +91,14 @@ def test_a_kl_penalty_on_rows_without_reference_log_probs_is_refused_before_anyt
     assert not (tmp_path / "default").exists()
 
 
+def test_a_run_with_the_epoch_sampler_is_refused_before_anything_is_written(tmp_path):
+    """Its learner snapshot the new, empty buffer and died with a traceback ("holds no rows: there is
+    nothing to replay"); an epoch walks recorded rows, which ``replay`` and ``learn`` over a run are for."""
+    with pytest.raises(PipelineError, match=r"^setting 'learner.sampler' is 'epoch'.*use `rlhf-pipeline replay`"):
+        run_command("run", pipeline_path=DEFAULT, home=str(tmp_path), overrides=["learner.sampler=epoch"])
+    assert not any(tmp_path.iterdir())
+
+
 def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
     """A warm start that diverged: version 0 was published with NaN weights, and the collector died
     sampling from it with a traceback (``probability tensor contains either inf, nan``)."""

@@ -161,7 +161,9 @@ def test_config_errors_name_the_option():
         grpo_loss(log_probs, old, adv, mask, GRPOLossConfig(kl_coef=0.1))
     with pytest.raises(ValueError, match="sampler_log_probs"):
         grpo_loss(log_probs, old, adv, mask, GRPOLossConfig(tis_cap=2.0))
-    with pytest.raises(ValueError, match="max_tokens"):
+    # it named neither setting as --set spells it
+    with pytest.raises(ValueError, match=r"^setting 'learner.loss.aggregation' is 'constant' \(Dr. GRPO\), which divides "
+                                         r"by 'learner.loss.max_tokens': set it too.*--set learner.loss.max_tokens=512$"):
         GRPOLossConfig(aggregation="constant")
     with pytest.raises(ValueError, match=r"unknown GRPO loss option\(s\) \['clip'\]"):
         GRPOLossConfig.from_options({"clip": 0.2})
