@@ -18,7 +18,7 @@ from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.bench_cmd import BENCHMARKS  # names only: the benchmarks load when one is run
 from rlhf_pipeline.cli.checks import resolve_run_arguments
 from rlhf_pipeline.files.run_store import RunStoreError  # no torch: the run store's base and errors
-from rlhf_pipeline.learn.errors import CheckpointRefused, NonFiniteStep, TooFewDevices  # no torch: errors only
+from rlhf_pipeline.learn.errors import LearnerRefused  # no torch: errors only
 from rlhf_pipeline.storage.errors import StoreClosedError, StoreError  # no torch: errors only
 
 # command name -> (module, one-line help)
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except (NonFiniteStep, CheckpointRefused, TooFewDevices) as exc:  # `learn`, `replay`: stopped before the step, checkpoint kept
+    except LearnerRefused as exc:  # `learn`, `replay`: a refused step (its checkpoint kept), no rows, no GPU for a rank
         print(f"rlhf-pipeline {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

@@ -30,10 +30,9 @@ from tensordict import TensorDict
 
 from rlhf_pipeline.storage.buffers import is_url
 
-from rlhf_pipeline.learn.errors import TooFewDevices
 from rlhf_pipeline.learn.loss import MAX_METRICS, aggregates_by_token
 from rlhf_pipeline.learn.batch import drop_stale, take_rows
-from rlhf_pipeline.learn.samplers import DataTimeoutError
+from rlhf_pipeline.learn.errors import DataTimeoutError, TooFewDevices
 from rlhf_pipeline.learn.shard_rows import (
     RowNames,
     View,

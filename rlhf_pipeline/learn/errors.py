@@ -1,17 +1,23 @@
-"""The learner errors a user can act on, importable without torch (the command line catches them).
+"""The learner errors a user can act on, importable without torch: each is a :class:`LearnerRefused`,
+which the command line prints in one line (``cli/main.py``) and exits 2.
 
 :class:`NonFiniteStep`: a step whose loss, gradients or new weights are not finite is refused, not
 skipped; nothing of it is published or checkpointed, so the newest checkpoint and every published
 version stay finite. :class:`CheckpointRefused`: a checkpoint this run's settings cannot resume (a
 full-weight checkpoint resumed as a LoRA run, or the reverse, ``learn/lora.py``), naming the setting.
-:class:`TooFewDevices`: more data-parallel ranks on one machine than it has GPUs.
+:class:`TooFewDevices`: more data-parallel ranks on one machine than it has GPUs. :class:`DataTimeoutError`:
+no rows to train on for ``learner.data_timeout_s``; :class:`NoRowsToReplay`: an epoch over an empty buffer.
 Design: docs/learner.md#a-step-that-is-not-finite.
 """
 
 from __future__ import annotations
 
 
-class NonFiniteStep(RuntimeError):
+class LearnerRefused(Exception):
+    """The learner stopped for a cause its message names, with what to do: no traceback is needed."""
+
+
+class NonFiniteStep(LearnerRefused, RuntimeError):
     """A step refused because ``what`` was not finite (``"its loss is nan"``, a parameter's
     gradient, the weights after the optimizer step). ``learn/step.py`` raises it without the step;
     the learner raises it again with the step and its newest checkpoint (:meth:`at`), the line a
@@ -37,11 +43,19 @@ class NonFiniteStep(RuntimeError):
                 f"learner.max_grad_norm) and run the same command: it resumes from {resume}")
 
 
-class CheckpointRefused(ValueError):
+class CheckpointRefused(LearnerRefused, ValueError):
     """The run's checkpoint cannot be resumed with this run's settings; the message names the setting
     and the value that resumes it."""
 
 
-class TooFewDevices(ValueError):
+class TooFewDevices(LearnerRefused, ValueError):
     """A data-parallel rank whose GPU (``cuda:LOCAL_RANK``) this machine does not have; the message names
     ``learner.world_size`` and the GPUs there are."""
+
+
+class DataTimeoutError(LearnerRefused, RuntimeError):
+    """The buffer held too few usable rows for longer than the learner's data timeout."""
+
+
+class NoRowsToReplay(LearnerRefused, ValueError):
+    """An epoch sampler over a buffer that holds no rows."""

@@ -453,7 +453,7 @@ def test_a_draw_that_trains_nothing_is_not_the_learners_last_step(tmp_path):
 def _waiting_lines(tmp_path, capsys, *, groups_written: int, steps: int, data_timeout_s: float) -> list[str]:
     """A learner over one shard holding ``groups_written`` groups of 4, run until its data timeout:
     the lines it printed while it waited (``wait_report_s`` 0.3)."""
-    from rlhf_pipeline.learn.samplers.contract import DataTimeoutError
+    from rlhf_pipeline.learn.errors import DataTimeoutError
 
     paths = RunPaths(tmp_path / "run")
     publish_weights(paths.root, make_model().state_dict(), 0)

@@ -99,6 +99,20 @@ def test_a_run_with_the_epoch_sampler_is_refused_before_anything_is_written(tmp_
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize(("setting", "says"), [
+    ("learner.data_timeout_s=1", "waited 1s for 64 rows not yet trained on in"),
+    ("learner.sampler=epoch", "holds no rows: there is nothing to replay"),
+], ids=["data-timeout", "epoch-of-nothing"])
+def test_a_learner_without_rows_stops_in_one_line(tmp_path, setting, says):
+    """``learn`` with no collector: the learner's own, clear words came at the end of a traceback."""
+    result = cli("learn", DEFAULT, "--home", str(tmp_path), "--steps", "1", "--set", "warm_start_steps=5",
+                 "--set", setting, timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("rlhf-pipeline learn: error: ") and says in error, result.stderr[-3000:]
+
+
 def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
     """A warm start that diverged: version 0 was published with NaN weights, and the collector died
     sampling from it with a traceback (``probability tensor contains either inf, nan``)."""

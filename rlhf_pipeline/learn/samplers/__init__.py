@@ -3,7 +3,8 @@ module each: ``window``, ``exact``, ``groups``, ``prioritized``, ``epoch``) and 
 ``learner.sampler`` picks from (:mod:`.registry`). Design: docs/learner.md#which-rows-a-step-trains-on.
 """
 
-from rlhf_pipeline.learn.samplers.contract import BatchSampler, DataTimeoutError, SampledRows
+from rlhf_pipeline.learn.errors import DataTimeoutError
+from rlhf_pipeline.learn.samplers.contract import BatchSampler, SampledRows
 from rlhf_pipeline.learn.samplers.registry import SAMPLERS, make_sampler
 
 __all__ = ["SAMPLERS", "BatchSampler", "DataTimeoutError", "SampledRows", "make_sampler"]

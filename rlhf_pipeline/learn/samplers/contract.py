@@ -30,10 +30,6 @@ WAITING_REFRESH_FAST_S = 1.0
 """How long a wait for rows re-reads every ``WAITING_REFRESH_FIRST_S`` before its gaps double."""
 
 
-class DataTimeoutError(RuntimeError):
-    """The buffer held too few usable rows for longer than the learner's data timeout."""
-
-
 @dataclass
 class SampledRows:
     """One draw: which rows, and what the learner logs about how they were chosen."""

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from rlhf_pipeline.learn.errors import NoRowsToReplay
 from rlhf_pipeline.learn.samplers.contract import SampledRows
 
 ORDERS = ("shuffle", "sequential", "with-replacement")
@@ -77,7 +78,8 @@ class EpochSampler:
         self.current_version = 0  # set by the learner; never used to reject rows (see the docstring)
         held = len(store)  # a read-only store refreshes here: the snapshot is the rows published now
         if held == 0:
-            raise ValueError(f"{store.location} holds no rows: there is nothing to replay")
+            raise NoRowsToReplay(f"{store.location} holds no rows: there is nothing to replay (learner.sampler=epoch "
+                                 f"walks the rows a buffer holds when the learner starts)")
         if rows is not None and rows > held:
             raise ValueError(f"{store.location} holds {held} rows, fewer than the {rows} this replay walks "
                              f"(learner.epoch_rows): was it replaced or evicted since the replay started?")

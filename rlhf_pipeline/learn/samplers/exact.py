@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
+from rlhf_pipeline.learn.errors import DataTimeoutError
+from rlhf_pipeline.learn.samplers.contract import RowsWait, SampledRows
 from rlhf_pipeline.learn.shard_rows import next_rows, shard_stores, union_positions
 
 

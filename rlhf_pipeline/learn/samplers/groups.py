@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
+from rlhf_pipeline.learn.errors import DataTimeoutError
+from rlhf_pipeline.learn.samplers.contract import RowsWait, SampledRows
 from rlhf_pipeline.storage.row_keys import keys_of, parts_of, positions_of
 
 _EQUAL = 1e-8  # rewards closer than this count as equal (as charts/frac_reward_zero_std counts them)

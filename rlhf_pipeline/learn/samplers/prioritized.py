@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
+from rlhf_pipeline.learn.errors import DataTimeoutError
+from rlhf_pipeline.learn.samplers.contract import RowsWait, SampledRows
 from rlhf_pipeline.storage.prioritized import NothingToSampleError, PrioritizedSampler
 from rlhf_pipeline.storage.row_keys import keys_of
 

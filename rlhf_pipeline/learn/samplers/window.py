@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.learn.samplers.contract import DataTimeoutError, RowsWait, SampledRows
+from rlhf_pipeline.learn.errors import DataTimeoutError
+from rlhf_pipeline.learn.samplers.contract import RowsWait, SampledRows
 
 
 class FreshRowSampler:
