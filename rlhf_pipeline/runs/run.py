@@ -49,6 +49,10 @@ from rlhf_pipeline.runs.summary import print_interrupted, print_summary
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS
 
+COLLECTOR_FINISH_S = 120.0
+"""Once the learner is done, how long each collector may take to finish its round before it is asked
+again, then killed (``stopping.wait_quietly``)."""
+
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
 RayLaunch = Callable[[str, Any, Any, RunPaths, str, Sequence[str], int], int]
 
@@ -266,6 +270,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
     """Lets the waiting children go, then watches them until the learner is done or a signal."""
     collector_procs, learner, ranks = children.collectors, children.learner, children.learners
     evaluator, evaluator_said = children.evaluator, False
+    killed: set[int] = set()  # collectors this launcher killed, stuck in a round past the learner's last step
     stop_write = children.stop_write
     print(f"[run] run directory {paths.location}" + (f" with {collectors} collectors" if collectors > 1 else ""),
           file=sys.stderr, flush=True)
@@ -301,20 +306,23 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
             stop_children(stop_write, processes, signals)
         else:
             paths.request_stop()  # every collector ends after its current round
-            for p in collector_procs.values():
-                wait_quietly(p, timeout=120.0)
+            killed = {k for k, p in collector_procs.items()
+                      if wait_quietly(p, timeout=COLLECTOR_FINISH_S,
+                                      name="the collector" if collectors == 1 else f"collector {k}")}
             if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
-                wait_quietly(evaluator, timeout=launch.EVALUATOR_FINISH_S)
+                wait_quietly(evaluator, timeout=launch.EVALUATOR_FINISH_S, name="the evaluator")
                 if evaluator.returncode not in (None, 0) and not evaluator_said:
                     print(launch.evaluator_exited(evaluator.returncode, paths.location, training_done=True),
                           file=sys.stderr, flush=True)
     finally:
         signals.restore()
         os.close(stop_write)
-    for p in ranks[1:]:  # rank 0 is done: the others end with it
-        wait_quietly(p, timeout=60.0)
+    for rank, p in enumerate(ranks[1:], start=1):  # rank 0 is done: the others end with it
+        wait_quietly(p, timeout=60.0, name=f"learner rank {rank}")
     learner_code = next((p.returncode for p in ranks if p.returncode not in (0, None)), learner.returncode)
-    failed = {k: p.returncode for k, p in collector_procs.items() if p.returncode not in (0, 130, 143)}
+    # a collector killed once the learner was done lost only the round it was stuck in, which no step needs
+    failed = {k: p.returncode for k, p in collector_procs.items()
+              if p.returncode not in (0, 130, 143) and k not in killed}
     if learner_code == 0 and not failed:  # the learner took every step, even if a signal came late
         print_summary(paths)
         return 0

@@ -140,12 +140,34 @@ def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals
         time.sleep(0.1)
 
 
-def wait_quietly(process: subprocess.Popen, timeout: float | None = None) -> int | None:
+KILLED_AFTER_S = 30.0
+"""How long a child asked to stop by SIGTERM (past its allowance) may take before it is killed: one stuck
+in a round (a reward or an environment that never returns) held its launcher for ever. A kill loses
+nothing committed: every process of a run resumes exactly after ``kill -9``."""
+
+
+def wait_quietly(process: subprocess.Popen, timeout: float | None = None, *, name: str = "a child",
+                 killed_after_s: float | None = None) -> bool:
+    """Waits for ``process`` to exit, through Ctrl-C (the launcher's own handling says what that does).
+    Past ``timeout`` it is asked to stop (SIGTERM), and past ``killed_after_s`` more it is killed; the
+    launcher says each, naming it (``name``: "the collector", "learner rank 1"). Returns whether it
+    had to be killed."""
+    killed_after_s = KILLED_AFTER_S if killed_after_s is None else killed_after_s
+    wait_s, asked, killed = timeout, False, False
     while True:
         try:
-            return process.wait(timeout=timeout)
+            process.wait(timeout=wait_s)
+            return killed
         except KeyboardInterrupt:
             continue
         except subprocess.TimeoutExpired:
-            process.terminate()
-            timeout = None
+            if not asked:
+                print(f"[run] {name} did not stop within {timeout:g} s: asking it again (SIGTERM)", file=sys.stderr,
+                      flush=True)
+                process.terminate()
+                wait_s, asked = killed_after_s, True
+            else:
+                print(f"[run] {name} did not stop within {killed_after_s:g} s of SIGTERM: killing it (SIGKILL); "
+                      f"what it committed stays, and the next start resumes from it", file=sys.stderr, flush=True)
+                process.kill()
+                wait_s, killed = None, True

@@ -206,3 +206,38 @@ def test_a_signal_during_the_warm_start_stops_every_child(tmp_path, how):
     assert expected in out, out[-3000:]
     run = tmp_path / "r"
     assert (run / "settings.json").exists() and latest_version(run) is None  # resumable, nothing half-made
+
+
+def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed(tmp_path, monkeypatch, capsys):
+    """A reward that never returns, in the round the collector started ahead of the learner's last step:
+    the launcher asked it to stop (STOP), then sent SIGTERM, which a collector honours only between
+    rounds, and then waited for ever. It kills it now, saying so, and the run ends as done: the learner
+    took every step, and only the stuck round's rows, which no step needed, are lost. The waits are
+    shortened here (120 s and 30 s in a run)."""
+    from rlhf_pipeline.runs import run, stopping
+
+    stuck = tmp_path / "stuck.py"
+    # the collector's reward calls: the preflight's, round 1's, then round 2's never returns
+    stuck.write_text(Path(DEFAULT).read_text().replace('    rewards = {"toy": toy_reward}', '''    calls = [0]
+
+    def reward_that_hangs_in_round_2(prompts, completions, **fields):
+        calls[0] += 1
+        if calls[0] > 2:
+            import time
+            time.sleep(3600)
+        return toy_reward(prompts, completions, **fields)
+
+    rewards = {"toy": reward_that_hangs_in_round_2}'''))
+    monkeypatch.setattr(run, "COLLECTOR_FINISH_S", 2.0)
+    monkeypatch.setattr(stopping, "KILLED_AFTER_S", 2.0)
+    # max_lag=3: the collector starts round 2 at once, while the learner trains its one step on round 1; a
+    # hang in round 1 instead would end in the learner's data timeout, not in the wait this test is about
+    code = run.run_command("run", pipeline_path=str(stuck), steps=1, home=str(tmp_path), run_name="r",
+                           overrides=["warm_start_steps=5", "max_lag=3", "learner.data_timeout_s=60"])
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert "[run] the collector did not stop within 2 s: asking it again (SIGTERM)" in err, err[-3000:]
+    assert "[run] the collector did not stop within 2 s of SIGTERM: killing it (SIGKILL)" in err, err[-3000:]
+    assert "[run] done: 1 learner steps" in err
+    assert [m["step"] for m in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1]
+    assert not children_of(os.getpid())  # nothing left running
