@@ -59,9 +59,17 @@ def test_a_url_without_its_cloud_package_is_one_error_line(argv, monkeypatch, ca
      "--device cpu and --set device=cuda disagree (--device sets device): give one of them"),
     (["replay", "default.py", "--buffer", ".", "--set", "steps=3"],
      "--set steps: a replay's length is --steps N (or --epochs N); give that instead"),
+    # the replay replaced each by its own value, silently: a prioritized or sequential replay was a shuffled one
+    (["replay", "default.py", "--buffer", ".", "--set", "learner.sampler=prioritized"],
+     "--set learner.sampler: a replay walks the buffer in epochs (learner.sampler=epoch, which it sets)"),
+    (["replay", "default.py", "--buffer", ".", "--set", "learner.epoch_order=sequential"],
+     "--set learner.epoch_order: a replay's order is --order shuffle|sequential|with-replacement"),
+    (["replay", "default.py", "--buffer", ".", "--set", "learner.epoch_rows=100"],
+     "--set learner.epoch_rows: a replay walks every row the buffer holds when it starts"),
 ], ids=["filter", "import", "import-version-below-0", "import-version-past-int64", "export-model", "replay", "show", "replay-kl-alone", "replay-kl-nan", "replay-seed",
         "inspect", "inspect-without-verify", "repair", "repair-past-int64",
-        "convert", "run-steps-twice", "learn-device-twice", "replay-set-steps"])
+        "convert", "run-steps-twice", "learn-device-twice", "replay-set-steps", "replay-set-sampler",
+        "replay-set-epoch-order", "replay-set-epoch-rows"])
 def test_a_commands_own_refusal_of_its_arguments_is_the_same_one_line(argv, words, monkeypatch, capsys, tmp_path):
     # each command refuses through one exception main words (cli.CommandRefused); filter once printed its own
     # line without "error:"

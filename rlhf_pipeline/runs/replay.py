@@ -53,6 +53,18 @@ class ReplayError(RuntimeError):
     """The source, the initial weights or the run directory do not fit this replay."""
 
 
+# the settings a replay sets itself, and what to give instead of --set
+SET_BY_REPLAY = {
+    "steps": "a replay's length is --steps N (or --epochs N); give that instead",
+    "learner.sampler": "a replay walks the buffer in epochs (learner.sampler=epoch, which it sets); their order is "
+                       "--order shuffle|sequential|with-replacement. To train on a run's rows with another sampler, "
+                       "`branch` the run that recorded them",
+    "learner.epoch_order": "a replay's order is --order shuffle|sequential|with-replacement; give that instead",
+    "learner.epoch_rows": "a replay walks every row the buffer holds when it starts; to replay fewer, make a "
+                          "selection of them with `rlhf-pipeline filter` and replay that",
+}
+
+
 # ====================================================================== entry point
 def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | None = None,
                    run_name: str | None = None, device: str | None = None, overrides: Sequence[str] = (),
@@ -60,8 +72,10 @@ def replay_command(pipeline_path: str, options: ReplayOptions, *, home: str | No
     """``stop_fd``: a rank's end of its launcher's stop pipe (``_train_on_ranks``)."""
 
     options.check()
-    if "steps" in {split_override(item)[0] for item in overrides}:  # the replay's own length set it, silently
-        raise ReplayError("--set steps: a replay's length is --steps N (or --epochs N); give that instead")
+    given = {split_override(item)[0] for item in overrides}
+    for key, instead in SET_BY_REPLAY.items():  # each was replaced by the replay's own value, silently
+        if key in given:
+            raise ReplayError(f"--set {key}: {instead}")
     module = load_pipeline_module(pipeline_path)
     paths = run_paths(f"{Path(pipeline_path).stem}-replay" if run_name is None else run_name, home)
     # recorded as a run at a URL records it, so a branch of this replay continued online keeps Zarr there
