@@ -82,6 +82,11 @@ def test_settings_given_where_they_apply_are_taken():
                                                                     "learner.sampler=prioritized"),
     (lambda: LearnerSettings(sampler="window", uses_per_row=2), "setting 'learner.uses_per_row' is for "
                                                                 "learner.sampler=exact"),
+    # read by the epoch sampler alone: a run of another sampler took them without a word
+    (lambda: LearnerSettings(epoch_order="sequential"), "setting 'learner.epoch_order' is for learner.sampler=epoch; "
+                                                        "this run's learner.sampler is window"),
+    (lambda: LearnerSettings(sampler="exact", epoch_rows=100), "setting 'learner.epoch_rows' is for "
+                                                               "learner.sampler=epoch"),
     (lambda: LearnerSettings(min_lr_ratio=0.5), "setting 'learner.min_lr_ratio' is for learner.lr_schedule=cosine; "
                                                 "this run's learner.lr_schedule is constant"),
     (lambda: LearnerSettings(sampler="groups", replay_pool_groups=8), "setting 'learner.replay_pool_groups' is for "

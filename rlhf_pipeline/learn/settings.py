@@ -245,6 +245,8 @@ class LearnerSettings:
     # settings read only where another has one of some values: set otherwise, nothing would read them
     APPLY_WHERE: ClassVar[dict[str, tuple[str, tuple[Any, ...]]]] = {
         "uses_per_row": ("sampler", ("exact",)),
+        "epoch_order": ("sampler", ("epoch",)),
+        "epoch_rows": ("sampler", ("epoch",)),
         "replay_pool_groups": ("replace_zero_variance", (True,)),
         "priority": ("sampler", ("prioritized",)),
         "priority_alpha": ("sampler", ("prioritized",)),
