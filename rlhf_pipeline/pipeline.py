@@ -136,15 +136,16 @@ class Pipeline:
         """``make_policy()``, refused when one of its weights is not finite (a warm start that diverged):
         never published as version 0, trained or scored with, where every collector would die sampling
         from it and a learner would refuse its first step blaming ``learner.lr``."""
-        from rlhf_pipeline.learn.step import first_not_finite
+        import torch
 
         model = self.make_policy()
-        found = first_not_finite((name, value) for name, value in model.state_dict().items()
-                                 if value.is_floating_point())
+        # values, not a norm: a half-precision model's norm may overflow where no value does
+        found = next((name for name, value in model.state_dict().items()
+                      if value.is_floating_point() and not bool(torch.isfinite(value).all())), None)
         if found is not None:
             raise PipelineError(
-                f"the initial policy the pipeline's make_policy() built is not finite ({found[0]!r} has norm "
-                f"{found[1]}): nothing was published or trained. A warm start with too high a learning rate does "
+                f"the initial policy the pipeline's make_policy() built is not finite ({found!r} holds nan or "
+                f"inf): nothing was published or trained. A warm start with too high a learning rate does "
                 f"this (pipelines/default.py: warm_start_lr). Fix make_policy or its settings and start again (with "
                 f"a setting changed, under a new --run-name: this start recorded its settings)")
         return model

@@ -182,7 +182,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     clip = settings.max_grad_norm if settings.max_grad_norm > 0 else float("inf")
     grad_norm = float(_whole(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
     if not math.isfinite(grad_norm):
-        found = first_not_finite((name, p.grad) for name, p in model.named_parameters())
+        found = _first_not_finite((name, p.grad) for name, p in model.named_parameters())
         raise NonFiniteStep(f"the gradient of {found[0]!r} is not finite (norm {found[1]})" if found else
                             f"the gradients' total norm is {grad_norm} (each parameter's is finite: they "
                             f"overflow together)")
@@ -193,7 +193,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedul
     # forward through them is (a learning rate of 1e30 makes such weights from finite gradients)
     weight_norm = float(_whole(torch.nn.utils.get_total_norm(list(model.parameters()))))
     if not math.isfinite(weight_norm):
-        found = first_not_finite(model.named_parameters())
+        found = _first_not_finite(model.named_parameters())
         where = f"{found[0]!r} has norm {found[1]}" if found else f"their total norm is {weight_norm}"
         raise NonFiniteStep(f"the weights after the optimizer step are not finite ({where}; learning rate "
                             f"{learning_rate:g})")
@@ -205,10 +205,10 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
-def first_not_finite(named: Iterable[tuple[str, torch.Tensor | None]]) -> tuple[str, float] | None:
-    """The first ``(name, norm)`` whose tensor's norm is not finite, or None. On a refused step every
-    rank goes through the same tensors in the same order and stops at the same one (an FSDP shard is
-    gathered whole, the same everywhere)."""
+def _first_not_finite(named: Iterable[tuple[str, torch.Tensor | None]]) -> tuple[str, float] | None:
+    """The first ``(name, norm)`` whose tensor's norm is not finite, or None. Only on a refused step:
+    every rank goes through the same tensors in the same order and stops at the same one (an FSDP
+    shard is gathered whole, the same everywhere)."""
     for name, tensor in named:
         if tensor is None:
             continue

@@ -122,7 +122,7 @@ def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("rlhf-pipeline run: error: the initial policy the pipeline's make_policy() built is "
                             "not finite ("), result.stderr[-3000:]
-    assert "has norm nan): nothing was published or trained" in error and "warm_start_lr" in error
+    assert "holds nan or inf): nothing was published or trained" in error and "warm_start_lr" in error
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "nan" / "weights").exists() and not (tmp_path / "nan" / "checkpoints").exists()
 
