@@ -114,8 +114,9 @@ def test_a_learner_without_rows_stops_in_one_line(tmp_path, setting, says):
 
 
 def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
-    """A warm start that diverged: version 0 was published with NaN weights, and the collector died
-    sampling from it with a traceback (``probability tensor contains either inf, nan``)."""
+    """A warm start that diverged: version 0 was published with NaN weights, the collector stopped at
+    its first decoding step advising a smaller ``learner.lr``, and ``run`` said the learner's checkpoint
+    would resume the run: none of it applied."""
     result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "nan", "--steps", "2",
                  "--set", "warm_start_steps=20", "--set", "warm_start_lr=1e20", timeout=300)
     assert result.returncode == 2, result.stderr[-3000:]
