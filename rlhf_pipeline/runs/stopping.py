@@ -146,13 +146,12 @@ in a round (a reward or an environment that never returns) held its launcher for
 nothing committed: every process of a run resumes exactly after ``kill -9``."""
 
 
-def wait_quietly(process: subprocess.Popen, timeout: float | None = None, *, name: str = "a child",
-                 killed_after_s: float | None = None) -> bool:
+def wait_quietly(process: subprocess.Popen, timeout: float | None = None, *, name: str = "a child") -> bool:
     """Waits for ``process`` to exit, through Ctrl-C (the launcher's own handling says what that does).
-    Past ``timeout`` it is asked to stop (SIGTERM), and past ``killed_after_s`` more it is killed; the
+    Past ``timeout`` it is asked to stop (SIGTERM), and past ``KILLED_AFTER_S`` more it is killed; the
     launcher says each, naming it (``name``: "the collector", "learner rank 1"). Returns whether it
     had to be killed."""
-    killed_after_s = KILLED_AFTER_S if killed_after_s is None else killed_after_s
+    killed_after_s = KILLED_AFTER_S  # read at each call: a test shortens it
     wait_s, asked, killed = timeout, False, False
     while True:
         try:
