@@ -222,7 +222,7 @@ class _RayRun:
         # the learner wrote STOP: every collector ends after its round, the evaluator after the versions left
         self._wait(list(self.collector_tasks.values()), COLLECTOR_GRACE_S)
         if self.evaluator_task is not None:
-            from rlhf_pipeline.runs.launch import EVALUATOR_FINISH_S
+            from rlhf_pipeline.runs.stopping import EVALUATOR_FINISH_S
 
             self._wait([self.evaluator_task], EVALUATOR_FINISH_S)
             self._say_if_the_evaluator_ended(training_done=True)

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths
+from rlhf_pipeline.runs import stopping
 from rlhf_pipeline.runs.stopping import StopFlag
 
 
@@ -29,7 +30,7 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     from rlhf_pipeline.learn.keep_best import recorded_keep_best
     from rlhf_pipeline.learn.metrics import MetricsWriter
 
-    stop = StopFlag("evaluator")
+    stop = StopFlag("evaluator", finish_allowance_s=stopping.EVALUATOR_FINISH_S)
     settings = pipeline.settings.eval
     sets = eval_sets_of(pipeline, TURN_EVAL_OFF if versions is None else "")
     publish_every = pipeline.learner.publish_every

@@ -35,11 +35,6 @@ _PRELOAD = {
 }
 
 
-EVALUATOR_FINISH_S = 600.0
-"""After the last step, how long the evaluator may take over the versions left before it is stopped
-(what it did not evaluate, ``rlhf-pipeline eval RUN`` does)."""
-
-
 def evaluator_argv(run_location: str, overrides: Sequence[str]) -> list[str]:
     """The evaluator child's command line: ``eval RUN --follow`` with the run's ``eval.*`` settings."""
     argv = ["eval", run_location, "--follow"]

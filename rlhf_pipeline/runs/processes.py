@@ -17,6 +17,7 @@ from typing import Any
 from rlhf_pipeline.pipeline import CollectorLike, Pipeline, PipelineError, RunPaths
 from rlhf_pipeline.runs.eval_process import check_evaluation, eval_pins, keep_best
 from rlhf_pipeline.runs.run_directory import RunError
+from rlhf_pipeline.runs import stopping
 from rlhf_pipeline.runs.stopping import StopFlag
 
 
@@ -112,7 +113,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
 
     name_collectors(one_of_several)
     tag = collector_tag(collector_index)
-    stop = StopFlag(tag.strip("[]"))
+    stop = StopFlag(tag.strip("[]"), finish_allowance_s=stopping.COLLECTOR_FINISH_S)
     GenerationEngine.stopping = stop.event  # every engine of this process: a stop ends a wait for a shared server
     store_path = collector_shard(paths, collector_index)
     # the writer lock: one collector per shard; on an object store, a predecessor that died on

@@ -46,12 +46,9 @@ from rlhf_pipeline.runs.processes import (
     with_buffer_url,
 )
 from rlhf_pipeline.runs.summary import print_interrupted, print_summary
+from rlhf_pipeline.runs import stopping
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS
-
-COLLECTOR_FINISH_S = 120.0
-"""Once the learner is done, how long each collector may take to finish its round before it is asked
-again, then killed (``stopping.wait_quietly``)."""
 
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
 RayLaunch = Callable[[str, Any, Any, RunPaths, str, Sequence[str], int], int]
@@ -307,10 +304,10 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
         else:
             paths.request_stop()  # every collector ends after its current round
             killed = {k for k, p in collector_procs.items()
-                      if wait_quietly(p, timeout=COLLECTOR_FINISH_S,
+                      if wait_quietly(p, timeout=stopping.COLLECTOR_FINISH_S,
                                       name="the collector" if collectors == 1 else f"collector {k}")}
             if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
-                wait_quietly(evaluator, timeout=launch.EVALUATOR_FINISH_S, name="the evaluator")
+                wait_quietly(evaluator, timeout=stopping.EVALUATOR_FINISH_S, name="the evaluator")
                 if evaluator.returncode not in (None, 0) and not evaluator_said:
                     print(launch.evaluator_exited(evaluator.returncode, paths.location, training_done=True),
                           file=sys.stderr, flush=True)

@@ -29,12 +29,20 @@ class StopFlag:
     ``role`` names the process in its messages (``collector 1``, ``learner``): the caller says it,
     since a child forked by ``run`` (``cli/forker.py``) has the forking process's ``sys.argv``, which
     holds every child's command line, so a collector guessing from it called itself the learner.
+
+    ``finish_allowance_s``: a child that stops between rounds (a collector, the evaluator) and whose
+    launcher died ends itself with SIGKILL if it is still running this long, plus ``KILLED_AFTER_S``,
+    after: what a live launcher gives it (``wait_quietly``). One stuck in a round (a reward or an
+    environment that never returns) outlived a killed launcher for ever, holding the run directory,
+    which refused the rerun. The learner has none: it stops at a step, with a checkpoint whose save a
+    bound would cut short on a large model.
     """
 
     launcher_fd: int | None = None
 
-    def __init__(self, role: str) -> None:
+    def __init__(self, role: str, *, finish_allowance_s: float | None = None) -> None:
         self.role = role
+        self.finish_allowance_s = finish_allowance_s
         self.event = threading.Event()
         self.signal: int | None = None  # the first signal received
         self.launcher_stopped = False
@@ -63,6 +71,12 @@ class StopFlag:
             why = "the launcher asked to stop" if asked else "the launcher is gone"
             if not say_in_handler(f"[{self.role}] {why}; stopping cleanly") and not asked:
                 _silence_output()  # nobody reads the dead launcher's log: a print must not end us mid-stop
+        if not asked and self.finish_allowance_s is not None:  # this thread is a daemon: a clean end ends it
+            limit_s = self.finish_allowance_s + KILLED_AFTER_S
+            time.sleep(limit_s)
+            say_in_handler(f"[{self.role}] still running {limit_s:g} s after its launcher ended: ending it (SIGKILL); "
+                           f"what it committed stays, and the next start resumes from it")
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def exit_code(self) -> int:
         """0 unless stopped early: 128 + the signal's number, or 143 when the launcher stopped us."""
@@ -140,6 +154,13 @@ def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals
         time.sleep(0.1)
 
 
+# How long each child may take to stop, past which it is asked again (SIGTERM) and then killed: by its
+# launcher (``wait_quietly``), or by itself when the launcher died (``StopFlag``)
+COLLECTOR_FINISH_S = 120.0
+"""Once the learner is done, how long each collector may take to finish its round."""
+EVALUATOR_FINISH_S = 600.0
+"""After the last step, how long the evaluator may take over the versions left (what it did not
+evaluate, ``rlhf-pipeline eval RUN`` does)."""
 KILLED_AFTER_S = 30.0
 """How long a child asked to stop by SIGTERM (past its allowance) may take before it is killed: one stuck
 in a round (a reward or an environment that never returns) held its launcher for ever. A kill loses

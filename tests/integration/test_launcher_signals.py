@@ -208,16 +208,10 @@ def test_a_signal_during_the_warm_start_stops_every_child(tmp_path, how):
     assert (run / "settings.json").exists() and latest_version(run) is None  # resumable, nothing half-made
 
 
-def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed(tmp_path, monkeypatch, capsys):
-    """A reward that never returns, in the round the collector started ahead of the learner's last step:
-    the launcher asked it to stop (STOP), then sent SIGTERM, which a collector honours only between
-    rounds, and then waited for ever. It kills it now, saying so, and the run ends as done: the learner
-    took every step, and only the stuck round's rows, which no step needed, are lost. The waits are
-    shortened here (120 s and 30 s in a run)."""
-    from rlhf_pipeline.runs import run, stopping
-
+def stuck_in_round_2(tmp_path: Path) -> str:
+    """The default pipeline whose reward never returns from round 2 on (the collector's reward calls:
+    the preflight's, round 1's, then round 2's)."""
     stuck = tmp_path / "stuck.py"
-    # the collector's reward calls: the preflight's, round 1's, then round 2's never returns
     stuck.write_text(Path(DEFAULT).read_text().replace('    rewards = {"toy": toy_reward}', '''    calls = [0]
 
     def reward_that_hangs_in_round_2(prompts, completions, **fields):
@@ -228,12 +222,26 @@ def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed
         return toy_reward(prompts, completions, **fields)
 
     rewards = {"toy": reward_that_hangs_in_round_2}'''))
-    monkeypatch.setattr(run, "COLLECTOR_FINISH_S", 2.0)
+    return str(stuck)
+
+
+# max_lag=3: the collector starts round 2 at once, while the learner trains its one step on round 1; a
+# hang in round 1 instead would end in the learner's data timeout, not in the waits these tests are about
+STUCK_AFTER_ONE_STEP = ["warm_start_steps=5", "max_lag=3", "learner.data_timeout_s=60"]
+
+
+def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed(tmp_path, monkeypatch, capsys):
+    """A reward that never returns, in the round the collector started ahead of the learner's last step:
+    the launcher asked it to stop (STOP), then sent SIGTERM, which a collector honours only between
+    rounds, and then waited for ever. It kills it now, saying so, and the run ends as done: the learner
+    took every step, and only the stuck round's rows, which no step needed, are lost. The waits are
+    shortened here (120 s and 30 s in a run)."""
+    from rlhf_pipeline.runs import run, stopping
+
+    monkeypatch.setattr(stopping, "COLLECTOR_FINISH_S", 2.0)
     monkeypatch.setattr(stopping, "KILLED_AFTER_S", 2.0)
-    # max_lag=3: the collector starts round 2 at once, while the learner trains its one step on round 1; a
-    # hang in round 1 instead would end in the learner's data timeout, not in the wait this test is about
-    code = run.run_command("run", pipeline_path=str(stuck), steps=1, home=str(tmp_path), run_name="r",
-                           overrides=["warm_start_steps=5", "max_lag=3", "learner.data_timeout_s=60"])
+    code = run.run_command("run", pipeline_path=stuck_in_round_2(tmp_path), steps=1, home=str(tmp_path),
+                           run_name="r", overrides=STUCK_AFTER_ONE_STEP)
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
     assert "[run] the collector did not stop within 2 s: asking it again (SIGTERM)" in err, err[-3000:]
@@ -241,3 +249,50 @@ def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed
     assert "[run] done: 1 learner steps" in err
     assert [m["step"] for m in read_metrics(tmp_path / "r" / "metrics.jsonl")] == [1]
     assert not children_of(os.getpid())  # nothing left running
+
+
+def test_a_collector_stuck_in_a_round_when_its_launcher_is_killed_ends_itself_and_frees_the_run(
+        tmp_path, monkeypatch):
+    """kill -9 of ``run`` while its collector is stuck in a round: the collector saw the pipe close but
+    never reached the end of its round, and held the run directory for ever, so the rerun was refused
+    as "in use". Past its allowance and KILLED_AFTER_S (shortened here from 120 s and 30 s: a launcher
+    that preloaded what its children import forks them itself, and they keep the shortened values) it
+    ends itself, saying so, and the same command runs again: here, with the learner's step 1
+    checkpointed, it has nothing to do."""
+    from rlhf_pipeline.runs import launch, run, stopping
+
+    monkeypatch.setattr(stopping, "COLLECTOR_FINISH_S", 2.0)
+    monkeypatch.setattr(stopping, "KILLED_AFTER_S", 2.0)
+    stuck, log = stuck_in_round_2(tmp_path), tmp_path / "launcher.log"
+    command = dict(pipeline_path=stuck, steps=3, home=str(tmp_path), run_name="r", overrides=STUCK_AFTER_ONE_STEP)
+    launcher = os.fork()
+    if launcher == 0:  # the launcher, writing to a file the children inherit: their last words stay readable
+        code = 1
+        try:
+            out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(out, 2)
+            launch.preload("collect")
+            launch.preload("learn")
+            code = run.run_command("run", **command)
+        finally:
+            os._exit(code)
+    try:
+        deadline = time.monotonic() + 300
+        while not read_metrics(tmp_path / "r" / "metrics.jsonl") and time.monotonic() < deadline:
+            assert os.waitpid(launcher, os.WNOHANG) == (0, 0), log.read_text()[-3000:]
+            time.sleep(0.2)
+        children = children_of(launcher)
+        assert len(children) == 2, (children, log.read_text()[-3000:])
+    finally:
+        os.kill(launcher, signal.SIGKILL)
+        os.waitpid(launcher, 0)
+    deadline = time.monotonic() + 240
+    while any(running(pid) for pid in children) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    out = log.read_text()
+    assert not any(running(pid) for pid in children), out[-3000:]
+    assert "[collector] the launcher is gone; stopping cleanly" in out, out[-3000:]
+    assert "[collector] still running 4 s after its launcher ended: ending it (SIGKILL)" in out, out[-3000:]
+    assert "[learner] stopped at step 1; checkpoint saved" in out, out[-3000:]
+    assert run.run_command("run", **{**command, "steps": 1}) == 0  # refused as "in use" before
