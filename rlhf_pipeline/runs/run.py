@@ -275,6 +275,10 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
     try:
         children.go()
         processes = [*collector_procs.values(), *ranks, *children.helpers]
+        bounded = {p: ("the collector" if collectors == 1 else f"collector {k}", stopping.COLLECTOR_FINISH_S)
+                   for k, p in collector_procs.items()}
+        if evaluator is not None:
+            bounded[evaluator] = ("the evaluator", stopping.EVALUATOR_FINISH_S)
         while not signals.received and learner.poll() is None:
             if evaluator is not None and evaluator.poll() not in (None, 0) and not evaluator_said:
                 evaluator_said = True  # an evaluation never stops training
@@ -285,7 +289,7 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 break
             if holder_lost():
                 # a run at a URL: another command took the run over (this one's lease ran out unrenewed)
-                stop_children(stop_write, processes, signals)
+                stop_children(stop_write, processes, signals, bounded)
                 raise RunError(f"{paths.location} was taken over by another command (this one's lease on run.lock "
                                f"was not renewed in time); stopped its collectors and learner")
             for k, p in collector_procs.items():
@@ -294,20 +298,18 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
-                stop_children(stop_write, processes, signals)
+                stop_children(stop_write, processes, signals, bounded)
                 name = "the collector" if collectors == 1 else f"collector {k}"
                 raise RunError(f"{name} ended early ({launch.how_it_ended(code)}). The learner saved a checkpoint: "
                                f"once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
-            stop_children(stop_write, processes, signals)
+            stop_children(stop_write, processes, signals, bounded)
         else:
             paths.request_stop()  # every collector ends after its current round
-            killed = {k for k, p in collector_procs.items()
-                      if wait_quietly(p, timeout=stopping.COLLECTOR_FINISH_S,
-                                      name="the collector" if collectors == 1 else f"collector {k}")}
+            killed = {k for k, p in collector_procs.items() if wait_quietly(p, bounded[p][1], name=bounded[p][0])}
             if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
-                wait_quietly(evaluator, timeout=stopping.EVALUATOR_FINISH_S, name="the evaluator")
+                wait_quietly(evaluator, bounded[evaluator][1], name=bounded[evaluator][0])
                 if evaluator.returncode not in (None, 0) and not evaluator_said:
                     print(launch.evaluator_exited(evaluator.returncode, paths.location, training_done=True),
                           file=sys.stderr, flush=True)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 
 class StopFlag:
@@ -134,13 +134,19 @@ class LauncherSignals:
             signal.signal(sig, handler)
 
 
-def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals: LauncherSignals) -> None:
+def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals: LauncherSignals,
+                  bounded: Mapping[subprocess.Popen, tuple[str, float]] | None = None) -> None:
     """Asks every child to stop through the stop pipe and waits for them; a second signal meanwhile
-    kills the ones still running."""
+    kills the ones still running. A child in ``bounded`` (its name and allowance: a collector, the
+    evaluator) still running past its allowance is asked again, then killed (:class:`StopDeadline`):
+    one stuck in a round held the launcher for ever when no second signal came (a scheduler's one
+    SIGTERM, or a run stopping because its other collector died). The learner is never bounded: it
+    stops at a step, with a checkpoint."""
     try:
         os.write(stop_write, b"s" * len(children))  # each child's watcher reads one byte (or EOF)
     except OSError:  # every child is gone already
         pass
+    deadlines = [StopDeadline(p, allowance_s, name) for p, (name, allowance_s) in (bounded or {}).items()]
     while any(p.poll() is None for p in children):
         if len(signals.received) >= 2:
             print(f"[{signals.command}] stopping now: killing {_CHILDREN[signals.command][1]}", file=sys.stderr,
@@ -151,6 +157,9 @@ def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals
             for p in children:
                 p.wait()
             return
+        for deadline in deadlines:
+            if deadline.process.poll() is None:
+                deadline.enforce()
         time.sleep(0.1)
 
 
@@ -167,27 +176,47 @@ in a round (a reward or an environment that never returns) held its launcher for
 nothing committed: every process of a run resumes exactly after ``kill -9``."""
 
 
+class StopDeadline:
+    """A child asked to stop, with ``allowance_s`` to do it: past it, the launcher asks again (SIGTERM,
+    which a child honours only between rounds), and past ``KILLED_AFTER_S`` more it kills it, saying
+    each in a line naming it (``name``: "the collector", "learner rank 1")."""
+
+    def __init__(self, process: subprocess.Popen, allowance_s: float, name: str) -> None:
+        self.process, self.allowance_s, self.name = process, allowance_s, name
+        self.killed_after_s = KILLED_AFTER_S  # read at each start: a test shortens it
+        self.act_at: float | None = time.monotonic() + allowance_s
+        self.asked = self.killed = False
+
+    def seconds_left(self) -> float | None:
+        """Until the next step; None once killed."""
+        return None if self.act_at is None else max(0.0, self.act_at - time.monotonic())
+
+    def enforce(self) -> None:
+        """Takes the step that is due, if one is."""
+        if self.act_at is None or time.monotonic() < self.act_at:
+            return
+        if not self.asked:
+            print(f"[run] {self.name} did not stop within {self.allowance_s:g} s: asking it again (SIGTERM)",
+                  file=sys.stderr, flush=True)
+            self.process.terminate()
+            self.asked, self.act_at = True, time.monotonic() + self.killed_after_s
+        else:
+            print(f"[run] {self.name} did not stop within {self.killed_after_s:g} s of SIGTERM: killing it (SIGKILL); "
+                  f"what it committed stays, and the next start resumes from it", file=sys.stderr, flush=True)
+            self.process.kill()
+            self.killed, self.act_at = True, None
+
+
 def wait_quietly(process: subprocess.Popen, timeout: float | None = None, *, name: str = "a child") -> bool:
-    """Waits for ``process`` to exit, through Ctrl-C (the launcher's own handling says what that does).
-    Past ``timeout`` it is asked to stop (SIGTERM), and past ``KILLED_AFTER_S`` more it is killed; the
-    launcher says each, naming it (``name``: "the collector", "learner rank 1"). Returns whether it
+    """Waits for ``process`` to exit, through Ctrl-C (the launcher's own handling says what that does),
+    past ``timeout`` asking it again and then killing it (:class:`StopDeadline`). Returns whether it
     had to be killed."""
-    killed_after_s = KILLED_AFTER_S  # read at each call: a test shortens it
-    wait_s, asked, killed = timeout, False, False
+    deadline = StopDeadline(process, timeout, name) if timeout is not None else None
     while True:
         try:
-            process.wait(timeout=wait_s)
-            return killed
+            process.wait(timeout=deadline.seconds_left() if deadline is not None else None)
+            return deadline is not None and deadline.killed
         except KeyboardInterrupt:
             continue
         except subprocess.TimeoutExpired:
-            if not asked:
-                print(f"[run] {name} did not stop within {timeout:g} s: asking it again (SIGTERM)", file=sys.stderr,
-                      flush=True)
-                process.terminate()
-                wait_s, asked = killed_after_s, True
-            else:
-                print(f"[run] {name} did not stop within {killed_after_s:g} s of SIGTERM: killing it (SIGKILL); "
-                      f"what it committed stays, and the next start resumes from it", file=sys.stderr, flush=True)
-                process.kill()
-                wait_s, killed = None, True
+            deadline.enforce()

@@ -251,42 +251,54 @@ def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed
     assert not children_of(os.getpid())  # nothing left running
 
 
-def test_a_collector_stuck_in_a_round_when_its_launcher_is_killed_ends_itself_and_frees_the_run(
-        tmp_path, monkeypatch):
-    """kill -9 of ``run`` while its collector is stuck in a round: the collector saw the pipe close but
-    never reached the end of its round, and held the run directory for ever, so the rerun was refused
-    as "in use". Past its allowance and KILLED_AFTER_S (shortened here from 120 s and 30 s: a launcher
-    that preloaded what its children import forks them itself, and they keep the shortened values) it
-    ends itself, saying so, and the same command runs again: here, with the learner's step 1
-    checkpointed, it has nothing to do."""
-    from rlhf_pipeline.runs import launch, run, stopping
+def launcher_stuck_after_one_step(tmp_path: Path, log: Path, **command) -> tuple[int, list[int]]:
+    """``run_command("run", **command)`` in a forked launcher writing to ``log``, once the learner took a
+    step and the collector is stuck in round 2; the launcher's pid and its children's. Having preloaded
+    what its children import, the launcher forks them itself: they keep what the test shortened."""
+    from rlhf_pipeline.runs import launch, run
 
-    monkeypatch.setattr(stopping, "COLLECTOR_FINISH_S", 2.0)
-    monkeypatch.setattr(stopping, "KILLED_AFTER_S", 2.0)
-    stuck, log = stuck_in_round_2(tmp_path), tmp_path / "launcher.log"
-    command = dict(pipeline_path=stuck, steps=3, home=str(tmp_path), run_name="r", overrides=STUCK_AFTER_ONE_STEP)
     launcher = os.fork()
-    if launcher == 0:  # the launcher, writing to a file the children inherit: their last words stay readable
+    if launcher == 0:  # writing to a file the children inherit: their last words stay readable
         code = 1
         try:
             out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
             os.dup2(out, 1)
             os.dup2(out, 2)
+            sys.stdout = open(1, "w", buffering=1, closefd=False)  # not pytest's capture
+            sys.stderr = open(2, "w", buffering=1, closefd=False)
             launch.preload("collect")
             launch.preload("learn")
             code = run.run_command("run", **command)
         finally:
             os._exit(code)
-    try:
-        deadline = time.monotonic() + 300
-        while not read_metrics(tmp_path / "r" / "metrics.jsonl") and time.monotonic() < deadline:
-            assert os.waitpid(launcher, os.WNOHANG) == (0, 0), log.read_text()[-3000:]
-            time.sleep(0.2)
-        children = children_of(launcher)
-        assert len(children) == 2, (children, log.read_text()[-3000:])
-    finally:
-        os.kill(launcher, signal.SIGKILL)
-        os.waitpid(launcher, 0)
+    deadline = time.monotonic() + 300
+    while not read_metrics(tmp_path / "r" / "metrics.jsonl"):
+        if os.waitpid(launcher, os.WNOHANG) != (0, 0) or time.monotonic() > deadline:
+            os.kill(launcher, signal.SIGKILL)
+            pytest.fail(f"the run ended or stalled before its first step:\n{log.read_text()[-3000:]}")
+        time.sleep(0.2)
+    children = children_of(launcher)
+    assert len(children) == 2, (children, log.read_text()[-3000:])
+    return launcher, children
+
+
+def test_a_collector_stuck_in_a_round_when_its_launcher_is_killed_ends_itself_and_frees_the_run(
+        tmp_path, monkeypatch):
+    """kill -9 of ``run`` while its collector is stuck in a round: the collector saw the pipe close but
+    never reached the end of its round, and held the run directory for ever, so the rerun was refused
+    as "in use". Past its allowance and KILLED_AFTER_S (shortened here from 120 s and 30 s) it ends
+    itself, saying so, and the same command runs again: here, with the learner's step 1 checkpointed,
+    it has nothing to do."""
+    from rlhf_pipeline.runs import run, stopping
+
+    monkeypatch.setattr(stopping, "COLLECTOR_FINISH_S", 2.0)
+    monkeypatch.setattr(stopping, "KILLED_AFTER_S", 2.0)
+    log = tmp_path / "launcher.log"
+    command = dict(pipeline_path=stuck_in_round_2(tmp_path), steps=3, home=str(tmp_path), run_name="r",
+                   overrides=STUCK_AFTER_ONE_STEP)
+    launcher, children = launcher_stuck_after_one_step(tmp_path, log, **command)
+    os.kill(launcher, signal.SIGKILL)
+    os.waitpid(launcher, 0)
     deadline = time.monotonic() + 240
     while any(running(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.5)
@@ -296,3 +308,33 @@ def test_a_collector_stuck_in_a_round_when_its_launcher_is_killed_ends_itself_an
     assert "[collector] still running 4 s after its launcher ended: ending it (SIGKILL)" in out, out[-3000:]
     assert "[learner] stopped at step 1; checkpoint saved" in out, out[-3000:]
     assert run.run_command("run", **{**command, "steps": 1}) == 0  # refused as "in use" before
+
+
+def test_one_sigterm_to_a_run_whose_collector_is_stuck_in_a_round_ends_it(tmp_path, monkeypatch):
+    """One SIGTERM, as a scheduler or ``timeout`` sends, with the collector stuck in a round: the learner
+    stopped with a checkpoint, and ``run`` then waited for the collector for ever, since only a second
+    signal killed it. It now gives the collector its allowance, asks again, kills it (saying each), and
+    ends as interrupted (the same bound holds when a run stops because another collector died)."""
+    from rlhf_pipeline.runs import stopping
+
+    monkeypatch.setattr(stopping, "COLLECTOR_FINISH_S", 2.0)
+    monkeypatch.setattr(stopping, "KILLED_AFTER_S", 2.0)
+    log = tmp_path / "launcher.log"
+    launcher, children = launcher_stuck_after_one_step(
+        tmp_path, log, pipeline_path=stuck_in_round_2(tmp_path), steps=3, home=str(tmp_path), run_name="r",
+        overrides=STUCK_AFTER_ONE_STEP)
+    os.kill(launcher, signal.SIGTERM)
+    deadline = time.monotonic() + 240
+    while os.waitpid(launcher, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(launcher, signal.SIGKILL)
+            for pid in children:
+                os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"run did not end within 240 s of one SIGTERM:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    out = log.read_text()
+    assert "[run] the collector did not stop within 2 s: asking it again (SIGTERM)" in out, out[-3000:]
+    assert "[run] the collector did not stop within 2 s of SIGTERM: killing it (SIGKILL)" in out, out[-3000:]
+    assert "[learner] stopped at step 1; checkpoint saved" in out, out[-3000:]
+    assert "[run] interrupted (SIGTERM)" in out, out[-3000:]
+    assert not any(running(pid) for pid in children)
