@@ -21,10 +21,10 @@ from rlhf_pipeline.run_settings import RaySettings
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
 from rlhf_pipeline.runs.run_directory import prepare_run, RunError
 from rlhf_pipeline.runs.summary import print_interrupted, print_summary
+from rlhf_pipeline.runs import stopping
 from rlhf_pipeline.runs.stopping import LauncherSignals
 
 INSTALL_HINT = "pip install -e '.[ray]'"
-COLLECTOR_GRACE_S = 120.0  # collectors end after their round once the learner is done
 LOG_FLUSH_S = 1.0
 
 
@@ -220,11 +220,9 @@ class _RayRun:
             raise RunError(f"the learner stopped before its last step (exit code {max(learner_codes)}); "
                            f"rerun the same command to resume")
         # the learner wrote STOP: every collector ends after its round, the evaluator after the versions left
-        self._wait(list(self.collector_tasks.values()), COLLECTOR_GRACE_S)
+        self._wait(list(self.collector_tasks.values()), stopping.COLLECTOR_FINISH_S)
         if self.evaluator_task is not None:
-            from rlhf_pipeline.runs.stopping import EVALUATOR_FINISH_S
-
-            self._wait([self.evaluator_task], EVALUATOR_FINISH_S)
+            self._wait([self.evaluator_task], stopping.EVALUATOR_FINISH_S)
             self._say_if_the_evaluator_ended(training_done=True)
         time.sleep(LOG_FLUSH_S)  # Ray forwards what actors print from their log files, a little later
         print_summary(self.paths)
@@ -271,24 +269,33 @@ class _RayRun:
         return None
 
     def _stop_all(self) -> None:
-        """Asks every actor to stop cleanly and waits; a second signal meanwhile kills them."""
+        """Asks every actor to stop cleanly and waits; a second signal meanwhile kills them. The learner
+        stops at a step, with a checkpoint, however long; a collector or the evaluator still running past
+        its allowance (stuck in a round) is killed by :meth:`release`, as ``run`` without Ray kills it."""
         self.ray.get(self.control.request_stop.remote())
         evaluator = [self.evaluator_task] if self.evaluator_task is not None else []
-        self._wait([*self.learner_tasks, *self.collector_tasks.values(), *evaluator], None)
+        for tasks, allowance_s in ((self.learner_tasks, None),
+                                   (list(self.collector_tasks.values()), stopping.COLLECTOR_FINISH_S),
+                                   (evaluator, stopping.EVALUATOR_FINISH_S)):
+            if not self._wait(tasks, allowance_s):
+                break
         time.sleep(LOG_FLUSH_S)
 
-    def _wait(self, tasks: list, timeout: float | None) -> None:
+    def _wait(self, tasks: list, timeout: float | None) -> bool:
+        """Waits for ``tasks`` to end; past ``timeout`` the actors left are :meth:`release`'s to kill. False
+        when a second signal came meanwhile: everything is killed now."""
         ray, deadline = self.ray, None if timeout is None else time.monotonic() + timeout
         pending = list(tasks)
         while pending:
             if self.signals is not None and len(self.signals.received) >= 2:
                 print("[run] stopping now: killing the learner and collectors", file=sys.stderr, flush=True)
-                break
+                return False
             if deadline is not None and time.monotonic() > deadline:
-                print(f"[run] {len(pending)} actor(s) did not stop within {timeout:.0f}s; killing them",
+                print(f"[run] {len(pending)} actor(s) did not stop within {timeout:g} s; killing them",
                       file=sys.stderr, flush=True)
                 break
             _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
+        return True
 
     def release(self) -> None:
         """Ends every actor (a finished one holds its reserved CPUs until then)."""

@@ -304,3 +304,34 @@ def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_
     for version in (0, 2, 4, 6):
         first = version * ID_STRIDE * 4
         assert sorted(t for v, t in samples if v == version) == list(range(first, first + 160))
+
+
+def test_one_sigterm_to_a_run_on_ray_whose_collector_is_stuck_in_a_round_ends_it(ray_cluster, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """One SIGTERM with the collector actor stuck in a round (a reward that never returns): the driver
+    waited for it for ever, since only a second signal killed the actors. It now waits for the learner
+    (it checkpoints), gives the collector its allowance (shortened here from 120 s: the driver runs in
+    this process), kills it and ends as interrupted, as ``run`` without Ray does."""
+    import threading
+
+    from integration.test_launcher_signals import STUCK_AFTER_ONE_STEP, stuck_in_round_2
+
+    from rlhf_pipeline.runs import stopping
+
+    monkeypatch.setattr(stopping, "COLLECTOR_FINISH_S", 2.0)
+    run = tmp_path / "r"
+
+    def sigterm_after_the_first_step() -> None:
+        deadline = time.monotonic() + 300
+        while steps_logged(run) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)  # the driver's LauncherSignals take it
+
+    threading.Thread(target=sigterm_after_the_first_step, daemon=True).start()
+    code = run_command("run", pipeline_path=stuck_in_round_2(tmp_path), steps=3, home=str(tmp_path), run_name="r",
+                       overrides=STUCK_AFTER_ONE_STEP, on_ray=ray_launcher("run", address=ray_cluster))
+    captured = capsys.readouterr()
+    out = captured.out + captured.err
+    assert code == 143, out[-3000:]
+    assert "[run] 1 actor(s) did not stop within 2 s; killing them" in out, out[-3000:]
+    assert CheckpointManager(run / "checkpoints").latest_step() == 1
