@@ -210,18 +210,19 @@ def test_a_signal_during_the_warm_start_stops_every_child(tmp_path, how):
 
 def stuck_in_round_2(tmp_path: Path) -> str:
     """The default pipeline whose reward never returns from round 2 on (the collector's reward calls:
-    the preflight's, round 1's, then round 2's)."""
+    the preflight's, round 1's, then round 2's); it creates ``tmp_path / "stuck"`` as it hangs."""
     stuck = tmp_path / "stuck.py"
-    stuck.write_text(Path(DEFAULT).read_text().replace('    rewards = {"toy": toy_reward}', '''    calls = [0]
+    stuck.write_text(Path(DEFAULT).read_text().replace('    rewards = {"toy": toy_reward}', f'''    calls = [0]
 
     def reward_that_hangs_in_round_2(prompts, completions, **fields):
         calls[0] += 1
         if calls[0] > 2:
             import time
+            open({str(tmp_path / "stuck")!r}, "w").close()
             time.sleep(3600)
         return toy_reward(prompts, completions, **fields)
 
-    rewards = {"toy": reward_that_hangs_in_round_2}'''))
+    rewards = {{"toy": reward_that_hangs_in_round_2}}'''))
     return str(stuck)
 
 
@@ -253,7 +254,7 @@ def test_a_collector_stuck_in_a_round_after_the_last_step_is_stopped_then_killed
 
 def launcher_stuck_after_one_step(tmp_path: Path, log: Path, **command) -> tuple[int, list[int]]:
     """``run_command("run", **command)`` in a forked launcher writing to ``log``, once the learner took a
-    step and the collector is stuck in round 2; the launcher's pid and its children's. Having preloaded
+    step and the collector hangs in round 2's reward; the launcher's pid and its children's. Having preloaded
     what its children import, the launcher forks them itself: they keep what the test shortened."""
     from rlhf_pipeline.runs import launch, run
 
@@ -272,7 +273,7 @@ def launcher_stuck_after_one_step(tmp_path: Path, log: Path, **command) -> tuple
         finally:
             os._exit(code)
     deadline = time.monotonic() + 300
-    while not read_metrics(tmp_path / "r" / "metrics.jsonl"):
+    while not (read_metrics(tmp_path / "r" / "metrics.jsonl") and (tmp_path / "stuck").exists()):
         if os.waitpid(launcher, os.WNOHANG) != (0, 0) or time.monotonic() > deadline:
             os.kill(launcher, signal.SIGKILL)
             pytest.fail(f"the run ended or stalled before its first step:\n{log.read_text()[-3000:]}")

@@ -323,7 +323,7 @@ def test_one_sigterm_to_a_run_on_ray_whose_collector_is_stuck_in_a_round_ends_it
 
     def sigterm_after_the_first_step() -> None:
         deadline = time.monotonic() + 300
-        while steps_logged(run) < 1 and time.monotonic() < deadline:
+        while not (steps_logged(run) >= 1 and (tmp_path / "stuck").exists()) and time.monotonic() < deadline:
             time.sleep(0.2)
         os.kill(os.getpid(), signal.SIGTERM)  # the driver's LauncherSignals take it
 
