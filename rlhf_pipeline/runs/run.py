@@ -47,7 +47,7 @@ from rlhf_pipeline.runs.processes import (
 )
 from rlhf_pipeline.runs.summary import print_interrupted, print_summary
 from rlhf_pipeline.runs import stopping
-from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_quietly
+from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_for_children, wait_quietly
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS
 
 # (command, pipeline module, settings, run paths, pipeline path, --set overrides, collectors) -> exit code
@@ -307,7 +307,9 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
             stop_children(stop_write, processes, signals, bounded)
         else:
             paths.request_stop()  # every collector ends after its current round
-            killed = {k for k, p in collector_procs.items() if wait_quietly(p, bounded[p][1], name=bounded[p][0])}
+            stuck = wait_for_children(list(collector_procs.values()), signals,
+                                      {p: bounded[p] for p in collector_procs.values()})
+            killed = {k for k, p in collector_procs.items() if p in stuck}
             if evaluator is not None:  # it evaluates the versions left (the last one's too), then ends
                 wait_quietly(evaluator, bounded[evaluator][1], name=bounded[evaluator][0])
                 if evaluator.returncode not in (None, 0) and not evaluator_said:

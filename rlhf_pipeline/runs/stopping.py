@@ -32,7 +32,7 @@ class StopFlag:
 
     ``finish_allowance_s``: a child that stops between rounds (a collector, the evaluator) and whose
     launcher died ends itself with SIGKILL if it is still running this long, plus ``KILLED_AFTER_S``,
-    after: what a live launcher gives it (``wait_quietly``). One stuck in a round (a reward or an
+    after: what a live launcher gives it (``wait_for_children``). One stuck in a round (a reward or an
     environment that never returns) outlived a killed launcher for ever, holding the run directory,
     which refused the rerun. The learner has none: it stops at a step, with a checkpoint whose save a
     bound would cut short on a large model.
@@ -136,16 +136,22 @@ class LauncherSignals:
 
 def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals: LauncherSignals,
                   bounded: Mapping[subprocess.Popen, tuple[str, float]] | None = None) -> None:
-    """Asks every child to stop through the stop pipe and waits for them; a second signal meanwhile
-    kills the ones still running. A child in ``bounded`` (its name and allowance: a collector, the
-    evaluator) still running past its allowance is asked again, then killed (:class:`StopDeadline`):
-    one stuck in a round held the launcher for ever when no second signal came (a scheduler's one
-    SIGTERM, or a run stopping because its other collector died). The learner is never bounded: it
-    stops at a step, with a checkpoint."""
+    """Asks every child to stop through the stop pipe and waits for them (:func:`wait_for_children`)."""
     try:
         os.write(stop_write, b"s" * len(children))  # each child's watcher reads one byte (or EOF)
     except OSError:  # every child is gone already
         pass
+    wait_for_children(children, signals, bounded)
+
+
+def wait_for_children(children: Sequence[subprocess.Popen], signals: LauncherSignals,
+                      bounded: Mapping[subprocess.Popen, tuple[str, float]] | None = None) -> set[subprocess.Popen]:
+    """Waits for ``children``, asked to stop, to end; a second signal meanwhile kills the ones still
+    running. A child in ``bounded`` (its name and allowance: a collector, the evaluator) still running
+    past its allowance is asked again, then killed (:class:`StopDeadline`), each on its own clock: one
+    stuck in a round held the launcher for ever when no second signal came (a scheduler's one SIGTERM,
+    or a run stopping because its other collector died). The learner is never bounded: it stops at a
+    step, with a checkpoint. Returns the children killed past their allowance."""
     deadlines = [StopDeadline(p, allowance_s, name) for p, (name, allowance_s) in (bounded or {}).items()]
     while any(p.poll() is None for p in children):
         if len(signals.received) >= 2:
@@ -156,15 +162,16 @@ def stop_children(stop_write: int, children: Sequence[subprocess.Popen], signals
                     p.kill()
             for p in children:
                 p.wait()
-            return
+            break
         for deadline in deadlines:
             if deadline.process.poll() is None:
                 deadline.enforce()
         time.sleep(0.1)
+    return {deadline.process for deadline in deadlines if deadline.killed}
 
 
 # How long each child may take to stop, past which it is asked again (SIGTERM) and then killed: by its
-# launcher (``wait_quietly``), or by itself when the launcher died (``StopFlag``)
+# launcher (``wait_for_children``, ``wait_quietly``), or by itself when the launcher died (``StopFlag``)
 COLLECTOR_FINISH_S = 120.0
 """Once the learner is done, how long each collector may take to finish its round."""
 EVALUATOR_FINISH_S = 600.0
