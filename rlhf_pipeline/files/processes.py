@@ -1,5 +1,6 @@
 """Whether a process of this host still runs: what every lock and lease of ours asks before it
-takes over from a holder on the same host (a file lock's, a store's writer lock, a run's lease).
+takes over from a holder on the same host (a file lock's, a store's writer lock, a run's lease);
+and which processes hold a lock file open, to name them when a lock outlives its recorded holder.
 
 Design: docs/object-storage.md#how-the-guarantees-hold-without-a-file-system.
 """
@@ -26,3 +27,23 @@ def pid_running(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def processes_with_open(path) -> list[int]:
+    """Pids of this host's processes that have ``path`` open (scans ``/proc``; best effort): who
+    still holds a lock whose recorded holder has ended, having inherited its descriptor."""
+    target = os.path.realpath(path)
+    found = []
+    try:
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+    except OSError:
+        return found
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
+                    found.append(pid)
+                    break
+        except OSError:
+            continue
+    return found

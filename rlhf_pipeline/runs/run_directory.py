@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import fsync_dir, why_unwritable
+from rlhf_pipeline.files.processes import pid_running, processes_with_open
 from rlhf_pipeline.files.run_lease import LeaseHeldError, ObjectLease
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR
 from rlhf_pipeline.files.run_store import StaleWriterError
@@ -30,7 +31,6 @@ from rlhf_pipeline.files.settings_history import record_resume, saved_settings, 
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
 from rlhf_pipeline.runs.setting_changes import settings_changes
-from rlhf_pipeline.storage.locking import pid_running
 
 
 class RunError(RuntimeError):
@@ -111,7 +111,7 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
     fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         if not _lock_or_wait_for_an_ending_holder(fd):
-            holder = _describe_holder(_holder_record(fd))
+            holder = _describe_holder(_holder_record(fd), paths.root / HOLDER_FILE)
             raise RunDirectoryBusyError(
                 f"run directory {paths.root} is in use by {holder}; wait for it to end or stop it, or choose "
                 f"another --run-name (or --home)")
@@ -168,13 +168,15 @@ def _holder_record(fd: int, wait_s: float = 1.0) -> Any:
         time.sleep(0.02)
 
 
-def _describe_holder(record: Any) -> str:
+def _describe_holder(record: Any, holder_file: Path) -> str:
     try:
         described = (f"`{record['command']}` (pid {record['pid']} on host {record['host']}, started "
                      f"{record['started']})")
         if _holder_has_ended(record):
-            # the lock is still held, so processes it started still hold it
-            described += ", which has ended while its child processes are still stopping"
+            # the lock is still held, so processes it started, which inherited its descriptor, still hold it
+            children = [pid for pid in processes_with_open(holder_file) if pid != os.getpid()]
+            named = f" (pid {', '.join(map(str, children))})" if children else ""
+            described += f", which has ended while its child processes{named} are still stopping"
         return described
     except (KeyError, TypeError):
         return "another command (it is writing its details)"  # between its lock and its pwrite

@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from rlhf_pipeline.files.processes import pid_running
+from rlhf_pipeline.files.processes import pid_running, processes_with_open
 from rlhf_pipeline.storage.errors import StoreLockedError
 
 LOCK_FILE_NAME = "writer.lock"
@@ -95,7 +95,7 @@ class WriterLock:
             return f"{self._store} is already open for writing by another process (pid not recorded yet); {advice}"
         pid, host = holder
         if _being_handed_over(holder):
-            others = [p for p in _processes_with_open(self.path) if p != os.getpid()]
+            others = [p for p in processes_with_open(self.path) if p != os.getpid()]
             held_by = (f"process(es) {', '.join(map(str, others))}, which inherited the open lock file"
                        if others else "a process that inherited the open lock file")
             return (f"{self._store} is locked by {held_by}: the lock file names process {pid}, which is no "
@@ -188,22 +188,3 @@ def _unlink_if_same(path: Path, fd: int) -> None:
             os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-def _processes_with_open(path: Path) -> list[int]:
-    """Pids of this host's processes that have ``path`` open (scans ``/proc``; best effort)."""
-    target = os.path.realpath(path)
-    found = []
-    try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
-    except OSError:
-        return found
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                    found.append(pid)
-                    break
-        except OSError:
-            continue
-    return found
