@@ -116,6 +116,10 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
         saved = _saved_replay(paths)
         with _open_source(source) as store:
             rows = saved["rows"] if saved else len(store)
+            if not rows:
+                raise ReplayError(f"--buffer {options.buffer}: {store.location} holds no rows, so there is nothing to "
+                                  f"replay; give a buffer, selection or run that holds rows (`rlhf-pipeline inspect` "
+                                  f"counts them)")
             if saved:
                 _check_source_unchanged(store, saved)
             batch_size = build_pipeline(module, settings, paths).learner.batch_size

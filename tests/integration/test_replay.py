@@ -246,6 +246,21 @@ def test_rescoring_a_buffer_recorded_without_advantages_or_reference(home, refer
     assert json.loads((run / "settings.json").read_text())["replay"]["advantage_baseline"] == "leave-one-out"
 
 
+def test_a_source_without_rows_is_refused_naming_it_and_nothing_is_made(home, source, tmp_path):
+    """A filter that kept nothing, or a store made before any row: refused by what it lacks (it was refused by
+    learner.epoch_rows=0, a setting the user never set), before the run directory is made."""
+    from rlhf_pipeline.storage.filtering import filter_buffer
+
+    empty_selection = tmp_path / "kept-nothing"
+    filter_buffer(source, empty_selection, "reward > 2", selection=True)
+    empty_store = create_store(tmp_path / "empty", "zarr", schema=StoreSchema.for_batch(recorded_rows(4)))
+    empty_store.close()
+    for empty in (empty_selection, tmp_path / "empty"):
+        with pytest.raises(ReplayError, match=f"--buffer {empty}: .* holds no rows, so there is nothing to replay"):
+            replay(home, "from-no-rows", empty, steps=2)
+        assert not (home / "from-no-rows").exists()
+
+
 def test_a_resumed_replay_must_match_how_it_started(home, source, reference_run):
     with pytest.raises(ReplayError, match=r"other settings \(--order: was 'shuffle', now 'sequential'\)"):
         replay(home, "reference", source, epochs=3, seed=7, order="sequential")
