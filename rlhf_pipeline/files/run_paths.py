@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -275,14 +276,19 @@ class RunPaths:
         return self.root / "STOP"
 
     def request_stop(self) -> None:
-        """Writes ``STOP``: every collector of the run ends after its current round."""
-        self.store.write(self.key(self.stop_file), b"", fence=False)
+        """Writes ``STOP``: every collector of the run ends after its current round. Each is a new
+        token, so a collector can tell a STOP written while it runs from one it found at its start."""
+        self.store.write(self.key(self.stop_file), uuid.uuid4().hex.encode(), fence=False)
 
     def clear_stop(self) -> None:
         self.store.delete(self.key(self.stop_file))
 
     def stop_requested(self) -> bool:
         return self.store.exists(self.key(self.stop_file))
+
+    def stop_token(self) -> bytes | None:
+        """What ``STOP`` holds (None: there is none)."""
+        return self.store.read(self.key(self.stop_file))
 
     @property
     def name(self) -> str:

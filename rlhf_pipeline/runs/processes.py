@@ -144,7 +144,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         # there, the 40-50 LISTs while the learner starts went, but the run took ~1 s longer and sent
         # as many requests in all (docs/benchmarks.md, bench_run_requests.py)
         first = PollBackoff(max_s=0.05) if paths.url is None else PollBackoff(max_s=0.05, first_s=0.05)
-        stop_check = _StopCheck(paths, stop)
+        stop_check = _StopCheck(paths, stop, tag)
         held = held_version(saved)
         # built while the learner warm-starts: an engine with a process of its own takes tens of
         # seconds to start; the weights it starts with go in below, as every later version does
@@ -364,13 +364,26 @@ def _wait_for_weights(poller, should_stop: Callable[[], bool], backoff: Any, *, 
 
 
 class _StopCheck:
-    """Whether to stop: a stop request, or the learner's ``STOP``; at a URL, ``STOP`` (a HEAD
-    request) is looked at no more than every ``every_s`` seconds, not on every paced poll."""
+    """Whether to stop: a stop request, or a ``STOP`` its learner wrote since this collector started;
+    at a URL, ``STOP`` (a HEAD request) is looked at no more than every ``every_s`` seconds, not on
+    every paced poll.
 
-    def __init__(self, paths: RunPaths, stop: StopFlag, every_s: float = 0.5) -> None:
+    A ``STOP`` already there at the start is an earlier learner's, which finished: a collector
+    started to continue a finished run with ``learn`` stopped at once when it came first, and the
+    learner then waited for rows that never came. It collects for the next learner instead, whose
+    start clears that ``STOP`` and whose end writes a new one."""
+
+    def __init__(self, paths: RunPaths, stop: StopFlag, tag: str, every_s: float = 0.5) -> None:
         self.paths, self.stop = paths, stop
         self.every_s = 0.0 if paths.url is None else every_s
         self._checked_at = -float("inf")
+        self._earlier = paths.stop_token()
+        if self._earlier is not None:
+            from rlhf_pipeline.collect.console import say
+
+            say(f"{tag} the run's learner finished before this collector started (its STOP is there): "
+                f"collecting for the next learner (`learn` or `run` with a larger --steps), which the "
+                f"collector then stops with")
 
     def __call__(self) -> bool:
         if self.stop.event.is_set():
@@ -379,7 +392,12 @@ class _StopCheck:
         if now - self._checked_at < self.every_s:
             return False
         self._checked_at = now
-        return self.paths.stop_requested()
+        if self._earlier is None:
+            return self.paths.stop_requested()
+        token = self.paths.stop_token()
+        if token is None:
+            self._earlier = None  # cleared by a learner's start: the next STOP is its own
+        return token is not None and token != self._earlier
 
 
 def learn_main(pipeline: Pipeline, paths: RunPaths, data_parallel: Any = None,

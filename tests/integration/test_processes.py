@@ -57,7 +57,20 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
         versions = store.read(torch.arange(len(store)))["policy_version"]
     assert int(versions.max()) >= 1  # the collector picked up weights the learner published
 
-    # resume without a collector: offline replay over the recorded buffer, from step 3 to 5. In this
+    # the finished run continued, its collector started first: the STOP of the learner that finished is
+    # there, and the collector collects for the next learner instead of stopping at once (it did, and
+    # the learner then waited for rows that never came); the new learner's STOP ends it
+    collector = start("collect", tmp_path)
+    said = collector.stdout.readline()
+    while said and "finished before this collector started" not in said:
+        said = collector.stdout.readline()
+    assert "collecting for the next learner" in said
+    finish(start("learn", tmp_path, "--steps", "4"))
+    collector_out = finish(collector)
+    assert "[collector] stopped after" in collector_out and "stopped after 0 rounds" not in collector_out
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]
+
+    # resume without a collector: offline replay over the recorded buffer, from step 4 to 5. In this
     # process, as the refusal below: what the learner resumes from is on disk, and each CLI start
     # would only import torch again
     learn = ["learn", DEFAULT, "--home", str(tmp_path), "--run-name", "shared", *SMALL]
@@ -65,8 +78,8 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
     assert main([*learn, "--steps", "5", "--set", "learner.sampler=window", "--set", "learner.new_rows_per_step=0",
                  "--set", "max_lag=none"]) == 0
     learner_out = "".join(capfd.readouterr())
-    assert "resuming from" in learner_out and "(step 3)" in learner_out
-    assert "note: settings changed since step 3: learner." in learner_out
+    assert "resuming from" in learner_out and "(step 4)" in learner_out
+    assert "note: settings changed since step 4: learner." in learner_out
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4, 5]
 
     # settings that define the data may not change under an existing run
