@@ -368,16 +368,18 @@ class _StopCheck:
     at a URL, ``STOP`` (a HEAD request) is looked at no more than every ``every_s`` seconds, not on
     every paced poll.
 
-    A ``STOP`` already there at the start is an earlier learner's, which finished: a collector
-    started to continue a finished run with ``learn`` stopped at once when it came first, and the
-    learner then waited for rows that never came. It collects for the next learner instead, whose
-    start clears that ``STOP`` and whose end writes a new one."""
+    A ``STOP`` already there when a collector starts on its own (``collect``) is an earlier
+    learner's, which finished: such a collector, started to continue a finished run with ``learn``,
+    stopped at once when it came first, and the learner then waited for rows that never came. It
+    collects for the next learner instead, whose start clears that ``STOP`` and whose end writes a
+    new one. A launcher (``run``, the Ray driver) clears ``STOP`` before it starts its collectors,
+    so one they find was written by this run's learner: a collector restarted after it stops."""
 
     def __init__(self, paths: RunPaths, stop: StopFlag, tag: str, every_s: float = 0.5) -> None:
         self.paths, self.stop = paths, stop
         self.every_s = 0.0 if paths.url is None else every_s
         self._checked_at = -float("inf")
-        self._earlier = paths.stop_token()
+        self._earlier = paths.stop_token() if stop.launcher_fd is None else None
         if self._earlier is not None:
             from rlhf_pipeline.collect.console import say
 
