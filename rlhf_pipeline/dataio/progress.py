@@ -8,6 +8,8 @@ import sys
 import time
 from collections.abc import Callable
 
+RATE_AFTER_S = 1.0  # a line gives a rate only once the work has taken this long
+
 
 class Progress:
     """``update(n)`` after each chunk; ``close()`` at the end (prints the final count in logs).
@@ -51,8 +53,10 @@ class Progress:
 
     def _line(self) -> None:
         of = f"/{self.total}" if self.total is not None else ""
-        rate = self.done / max(time.monotonic() - self._started, 1e-9)
-        print(f"[{self.desc}] {self.done}{of} {self.unit} ({rate:.0f} {self.unit}/s)", file=self.stream, flush=True)
+        elapsed = time.monotonic() - self._started
+        # a rate over a few milliseconds is noise ("512/512 rows (61222048 rows/s)" for a small convert)
+        pace = f"{self.done / elapsed:.0f} {self.unit}/s" if elapsed >= RATE_AFTER_S else f"in {elapsed:.2f} s"
+        print(f"[{self.desc}] {self.done}{of} {self.unit} ({pace})", file=self.stream, flush=True)
 
     def close(self, *, failed: bool = False) -> None:
         """Ends the progress; ``failed``: the work stopped on an error, so no final count is printed."""
