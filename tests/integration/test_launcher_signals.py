@@ -209,17 +209,19 @@ def test_a_signal_during_the_warm_start_stops_every_child(tmp_path, how):
 
 
 def stuck_in_round_2(tmp_path: Path) -> str:
-    """The default pipeline whose reward never returns from round 2 on (the collector's reward calls:
-    the preflight's, round 1's, then round 2's); it creates ``tmp_path / "stuck"`` as it hangs."""
+    """The default pipeline whose reward never returns from round 2 on; it creates ``tmp_path / "stuck"``
+    as it hangs. Counted in completions, not calls: the preflight scores one group, and a round's groups
+    may be scored in several calls as they finish (counting calls, a round 1 scored in two hung, and the
+    learner's first step waited out its data timeout)."""
     stuck = tmp_path / "stuck.py"
-    stuck.write_text(Path(DEFAULT).read_text().replace('    rewards = {"toy": toy_reward}', f'''    calls = [0]
+    stuck.write_text(Path(DEFAULT).read_text().replace('    rewards = {"toy": toy_reward}', f'''    scored = [0]
 
     def reward_that_hangs_in_round_2(prompts, completions, **fields):
-        calls[0] += 1
-        if calls[0] > 2:
+        if scored[0] >= settings.group_size * (1 + settings.prompts_per_round):  # the preflight's and round 1's
             import time
             open({str(tmp_path / "stuck")!r}, "w").close()
             time.sleep(3600)
+        scored[0] += len(completions)
         return toy_reward(prompts, completions, **fields)
 
     rewards = {{"toy": reward_that_hangs_in_round_2}}'''))

@@ -69,7 +69,9 @@ def test_a_held_run_directory_refuses_run_replay_and_import_and_a_killed_holder_
     run = tmp_path / "held"
     first = _start(_run(tmp_path, 400))
     try:
-        _wait_for_steps(run, first, 2)
+        # past its first checkpoint (step 2), so the holder itself adds no entry to the directory between the
+        # two listings below: it logs step 2 before it makes checkpoints/, and under load a listing fell between
+        _wait_for_steps(run, first, 3)
         held = json.loads((run / "run.lock").read_text())
         assert held["pid"] == first.pid and held["command"] == "run"
         files_before = _files(run)
