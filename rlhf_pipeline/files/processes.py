@@ -29,13 +29,13 @@ def pid_running(pid: int) -> bool:
     return True
 
 
-def processes_with_open(path) -> list[int]:
-    """Pids of this host's processes that have ``path`` open (scans ``/proc``; best effort): who
-    still holds a lock whose recorded holder has ended, having inherited its descriptor."""
+def processes_with_open(path: str | os.PathLike) -> list[int]:
+    """Pids of this host's other processes that have ``path`` open (scans ``/proc``; best effort):
+    who still holds a lock whose recorded holder has ended, having inherited its descriptor."""
     target = os.path.realpath(path)
     found = []
     try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()]
+        pids = [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()]
     except OSError:
         return found
     for pid in pids:

@@ -365,8 +365,8 @@ def _wait_for_weights(poller, should_stop: Callable[[], bool], backoff: Any, *, 
 
 class _StopCheck:
     """Whether to stop: a stop request, or a ``STOP`` its learner wrote since this collector started;
-    at a URL, ``STOP`` (a HEAD request) is looked at no more than every ``every_s`` seconds, not on
-    every paced poll.
+    at a URL, ``STOP`` (a HEAD request, a GET while an earlier one is there) is looked at no more than
+    every ``every_s`` seconds, not on every paced poll.
 
     A ``STOP`` already there when a collector starts on its own (``collect``) is an earlier
     learner's, which finished: such a collector, started to continue a finished run with ``learn``,

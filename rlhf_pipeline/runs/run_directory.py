@@ -174,7 +174,7 @@ def _describe_holder(record: Any, holder_file: Path) -> str:
                      f"{record['started']})")
         if _holder_has_ended(record):
             # the lock is still held, so processes it started, which inherited its descriptor, still hold it
-            children = [pid for pid in processes_with_open(holder_file) if pid != os.getpid()]
+            children = processes_with_open(holder_file)
             named = f" (pid {', '.join(map(str, children))})" if children else ""
             described += f", which has ended while its child processes{named} are still stopping"
         return described

@@ -95,7 +95,7 @@ class WriterLock:
             return f"{self._store} is already open for writing by another process (pid not recorded yet); {advice}"
         pid, host = holder
         if _being_handed_over(holder):
-            others = [p for p in processes_with_open(self.path) if p != os.getpid()]
+            others = processes_with_open(self.path)
             held_by = (f"process(es) {', '.join(map(str, others))}, which inherited the open lock file"
                        if others else "a process that inherited the open lock file")
             return (f"{self._store} is locked by {held_by}: the lock file names process {pid}, which is no "
