@@ -292,16 +292,15 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 stop_children(stop_write, processes, signals, bounded)
                 raise RunError(f"{paths.location} was taken over by another command (this one's lease on run.lock "
                                f"was not renewed in time); stopped its collectors and learner")
-            for k, p in collector_procs.items():
+            for p in collector_procs.values():
                 code = p.poll()
                 if code is None or (code == 0 and paths.stop_requested()):
                     # (a clean exit after STOP means the learner finished and is exiting too)
                     continue
                 # a collector died: stop the learner (it checkpoints) and the other collectors
                 stop_children(stop_write, processes, signals, bounded)
-                name = "the collector" if collectors == 1 else f"collector {k}"
-                raise RunError(f"{name} ended early ({launch.how_it_ended(code)}). The learner saved a checkpoint: "
-                               f"once the cause is fixed, the same command resumes the run")
+                raise RunError(f"{bounded[p][0]} ended early ({launch.how_it_ended(code)}). The learner saved a "
+                               f"checkpoint: once the cause is fixed, the same command resumes the run")
             time.sleep(0.2)
         if signals.received:
             stop_children(stop_write, processes, signals, bounded)
