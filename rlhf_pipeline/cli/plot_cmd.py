@@ -9,9 +9,12 @@ reward (``eval/metrics.jsonl``); one PNG per chart plus ``overview.png``. Needs 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from rlhf_pipeline.cli import CommandRefused
 from rlhf_pipeline.cli.checks import add_run_argument, writable_output
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".svg", ".pdf", ".gif", ".webp"}
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -19,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="run directories or runs' names, runs at s3:// or az:// URLs (copied into the local cache), or "
                              "metrics.jsonl files")
     parser.add_argument("--out", required=True, help="directory for the PNG files")
+
+
+def _refuse_an_image_name(out: str) -> None:
+    """``--out chart.png`` asks for one picture; plot draws several, into a directory that name would make."""
+    if Path(out).suffix.lower() in IMAGE_SUFFIXES and not Path(out).is_dir():
+        raise CommandRefused(f"--out {out}: --out is the directory plot writes its charts into (one PNG per chart and "
+                             f"overview.png), not an image file; give a directory, e.g. --out "
+                             f"{Path(out).with_suffix('')}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -30,6 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.run_store import RunStoreError
 
+    _refuse_an_image_name(args.out)
     writable_output(args.out, "--out", kind="directory")
     try:
         written = plot_runs([local_copy(run) for run in args.runs], args.out)

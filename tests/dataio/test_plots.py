@@ -196,3 +196,13 @@ def test_a_resume_with_other_training_settings_is_marked_at_its_step(tmp_path):
     assert [line.get_xdata()[0] for line in figure.axes[0].lines if line.get_linestyle() == "--"] == [4, 8]
     (run / "settings_history.json").write_text("damaged")  # inspect says so; the charts are drawn without marks
     assert [data.resumed_at for data in load_runs([run]).values()] == [()]
+
+
+def test_an_out_named_like_an_image_is_refused_before_a_directory_of_that_name_is_made(tiny_run, tmp_path, capsys):
+    """plot draws several charts into a directory: ``--out chart.png`` would have made a directory called
+    chart.png holding them."""
+    out = tmp_path / "chart.png"
+    assert main(["plot", str(tiny_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "--out is the directory plot writes its charts into" in err and f"--out {tmp_path / 'chart'}" in err, err
+    assert not out.exists()
