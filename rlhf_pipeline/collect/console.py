@@ -45,7 +45,9 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
     :class:`~rlhf_pipeline.agents.tools.ToolBox` the episodes call, whose ``take_first_errors()``
     gives the error messages (without one, only counts are printed)."""
     since_line: dict[str, str] = {}  # kind -> first message since the last line
-    state = {"rounds": 0, "warned": False}
+    # the line's tool counts cover the rounds since the line before, as its error messages do: a round's
+    # own counts printed above an earlier round's error read as "0 errors" and an error at once
+    state = {"rounds": 0, "warned": False, "calls": 0, "ok": 0, "first_round": None}
 
     def hook(m: Mapping[str, float]) -> None:
         tag = collector_tag(collector_index)
@@ -54,6 +56,10 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
             since_line.setdefault(kind, message)
         calls, ok = int(m.get("tools/calls", 0)), int(m.get("tools/ok", 0))
         round_number = int(m.get("batches", state["rounds"]))
+        state["calls"] += calls
+        state["ok"] += ok
+        if state["first_round"] is None:
+            state["first_round"] = round_number
         if calls and not ok:
             if not state["warned"]:  # once per stretch of rounds in which every call fails
                 say(f"{tag} warning: every tool call of round {round_number} failed ({calls} of {calls}); "
@@ -65,11 +71,14 @@ def agent_round_printer(every: int, collector_index: int = 0, toolbox: Any = Non
         if every and state["rounds"] % every == 0:
             reasons = " ".join(f"{k.removeprefix('reason/')}={int(v)}" for k, v in m.items()
                                if k.startswith("reason/") and v)
+            first = state["first_round"]
+            rounds = f"round {first}" if first == round_number else f"rounds {first}-{round_number}"
             say(f"{tag} round {round_number} (policy v{int(m.get('policy_version', 0))}): reward "
                 f"{m.get('reward_mean', float('nan')):.3f}, tool-call rate {m.get('tool_call_rate', 0.0):.2f}, "
-                f"tool errors {calls - ok}/{calls}, turns/episode {m.get('turns_per_episode', 0.0):.2f}, "
-                f"ends: {reasons}", stream)
+                f"turns/episode {m.get('turns_per_episode', 0.0):.2f}, ends: {reasons}; tool errors "
+                f"{state['calls'] - state['ok']}/{state['calls']} in {rounds}", stream)
             say_errors(tag)
+            state.update(calls=0, ok=0, first_round=None)
 
     def say_errors(tag: str) -> None:
         for kind, message in since_line.items():

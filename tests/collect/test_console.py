@@ -89,8 +89,10 @@ def test_a_round_whose_tool_calls_all_fail_is_warned_of_once_with_the_first_erro
                         f"the first failure of each kind:")
     assert sorted(lines[1:3]) == [raised, unknown]
     assert sum("warning" in line for line in lines) == 1
-    # a line every second round, each with the first failure of each kind since the line before
-    assert lines[3].startswith(f"[collector] round 2 (policy v0): reward 0.000, tool-call rate 0.00, "
-                               f"tool errors {calls}/{calls}, ")
+    # a line every second round, each with the failed calls of the rounds since the line before and the
+    # first failure of each kind among them
+    assert lines[3].startswith("[collector] round 2 (policy v0): reward 0.000, tool-call rate 0.00, ")
+    assert lines[3].endswith(f"; tool errors {2 * calls}/{2 * calls} in rounds 1-2")
     assert sorted(lines[4:6]) == [raised, unknown]
-    assert lines[6].startswith("[collector] round 4 ") and sorted(lines[7:]) == [raised, unknown]
+    assert lines[6].startswith("[collector] round 4 ") and lines[6].endswith("in rounds 3-4")
+    assert sorted(lines[7:]) == [raised, unknown]
