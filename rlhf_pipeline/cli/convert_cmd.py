@@ -38,6 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.dataio.progress import progress_reporter
     from rlhf_pipeline.storage.buffers import is_sharded_buffer, shard_index, shard_key_of, shard_location, stores_in
     from rlhf_pipeline.storage.errors import StoreError
+    from rlhf_pipeline.storage.new_buffer import check_zip_destination
 
     options = {}
     if args.codec is not None:
@@ -53,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     writable_output(args.dst, "DST")
     skipped: dict[str, str] = {}
     sharded = is_sharded_buffer(args.src)
+    try:
+        check_zip_destination(args.dst, "sharded" if sharded else args.to)
+    except ValueError as exc:
+        raise CommandRefused(str(exc)) from None
     try:  # the shards a learner reads: one still being made is left out, as the learner does
         shards = [(shard_index(shard_key_of(path)), path) for _, path in stores_in(args.src, skipped)] \
             if sharded else []

@@ -124,6 +124,10 @@ def run(args: argparse.Namespace) -> int:
     share = result.rows_kept / result.rows_in if result.rows_in else 0.0
     print(f"kept {result.rows_kept} of {result.rows_in} rows ({share:.1%}), {result.groups_kept} of "
           f"{result.groups_in} groups")
+    if result.rows_dropped_with_trajectories:
+        print(f"{result.rows_dropped_with_trajectories} more rows met the condition but were dropped with their "
+              f"trajectories: a trajectory of several turns is kept whole, only when every turn meets it (a condition "
+              f"on trajectory_return, trajectory_end or trajectory_turns takes or leaves whole trajectories)")
     if result.output == "selection":
         print(f"{result.destination}: a selection of {result.source} (no rows copied); open it like any buffer")
     elif result.output == "buffer":

@@ -17,7 +17,7 @@ import torch
 
 from rlhf_pipeline.storage.backends import backend_class, inspection, open_store
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
-from rlhf_pipeline.storage.new_buffer import create_new, new_buffer_at
+from rlhf_pipeline.storage.new_buffer import new_store
 
 DEFAULT_SEGMENT_ROWS = 4096
 
@@ -48,8 +48,7 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
         if capacity is not None:
             dst_options.setdefault("capacity_rows", max(int(capacity), dst_options["segment_rows"]))
         first, stop = source.first_row, source.next_row
-        with new_buffer_at(dst, "convert") as build_at, \
-                create_new(target_cls, build_at, dst, source.schema, **dst_options) as target:
+        with new_store(target_cls, dst, "convert", source.schema, **dst_options) as target:
             done = 0
             # aligned on the source's segment boundaries, so each step decodes one segment
             start = first

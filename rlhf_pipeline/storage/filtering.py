@@ -22,7 +22,7 @@ import torch
 
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
 from rlhf_pipeline.storage.filter_tables import GroupTable, TrajectoryTable
-from rlhf_pipeline.storage.new_buffer import create_new, new_buffer_at
+from rlhf_pipeline.storage.new_buffer import check_zip_destination, new_store
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
 from rlhf_pipeline.storage.where import (
     GROUP_NAMES,
@@ -89,6 +89,8 @@ class Selected:
     rows_in: int
     groups_in: int
     groups_kept: int
+    # rows that met the condition but went with a turn of their trajectory that did not
+    rows_dropped_with_trajectories: int = 0
 
 
 def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, whole_groups: bool = False,
@@ -154,11 +156,14 @@ def select_positions(store: TrajectoryStore, where: str | WhereExpression, *, wh
     drop = np.zeros(positions.size, dtype=bool)
     if whole_groups and failing:
         drop |= np.isin(groups, np.concatenate(failing))
+    with_trajectories = 0
     if failing_trajectories and any(f.size for f in failing_trajectories):  # -1: a row that is a whole trajectory
-        drop |= np.isin(trajectory_of_kept, np.concatenate(failing_trajectories))
+        in_failing = np.isin(trajectory_of_kept, np.concatenate(failing_trajectories))
+        with_trajectories = int((in_failing & ~drop).sum())
+        drop |= in_failing
     positions, groups = positions[~drop], groups[~drop]
     groups_in = int(np.unique(np.concatenate(seen_groups)).size) if seen_groups else 0
-    return Selected(positions.astype(np.int64), num_rows, groups_in, int(np.unique(groups).size))
+    return Selected(positions.astype(np.int64), num_rows, groups_in, int(np.unique(groups).size), with_trajectories)
 
 
 # ====================================================================== writing
@@ -175,6 +180,7 @@ class FilterResult:
     rows_kept: int
     groups_in: int
     groups_kept: int
+    rows_dropped_with_trajectories: int = 0  # met the condition; a turn of their trajectory did not
     stats: StoreStats | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -204,6 +210,8 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
     with open_buffer(str(src), mode="r") as source:
         if dst is not None:
             _check_destination(str(dst), str(src), source)
+            if not selection:  # a selection is a directory whatever its name
+                check_zip_destination(str(dst), to or _backend_and_segment(source)[0])
         expression = parse_where(where, stored_fields=source.schema.field_names)
         parts = parts_of(source)  # every read below names rows by global id within these parts
         chosen = select_positions(source, expression, whole_groups=whole_groups, chunk_rows=chunk_rows,
@@ -211,7 +219,7 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
         result = FilterResult(str(src), None if dst is None else str(dst),
                               "count" if dst is None else ("selection" if selection else "buffer"),
                               where, whole_groups, chosen.rows_in, int(chosen.positions.size),
-                              chosen.groups_in, chosen.groups_kept)
+                              chosen.groups_in, chosen.groups_kept, chosen.rows_dropped_with_trajectories)
         if dst is None:
             return result
         if selection:
@@ -272,8 +280,7 @@ def _copy_rows(source: TrajectoryStore, parts: list[Part], positions: np.ndarray
     target_cls = backend_class(to or backend)
     dst_options.setdefault("segment_rows", segment_rows)
 
-    with new_buffer_at(dst, "filter") as build_at, create_new(target_cls, build_at, dst, source.schema,
-                                                               **dst_options) as target:
+    with new_store(target_cls, dst, "filter", source.schema, **dst_options) as target:
         step = max(chunk_rows, dst_options["segment_rows"])
         for start in range(0, positions.size, step):
             target.append(read_by_position(parts, positions[start: start + step]))

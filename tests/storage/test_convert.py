@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import zipfile
 
 import pytest
 import torch
@@ -199,3 +200,37 @@ def test_a_destination_given_with_a_trailing_slash_is_that_directory(tmp_path, c
     for name in ("dst", "kept"):
         with open_store(str(tmp_path / name)) as store:
             assert store.read(torch.arange(len(store))).equal(expected)
+
+
+@pytest.mark.parametrize("source", ["memmap", "zarr"])
+def test_a_destination_ending_in_zip_is_one_zip_file_that_reads_every_row(tmp_path, capsys, source):
+    """A .zip holds a Zarr store, which stores read (read-only): convert once made a directory of that name
+    that nothing could open, and said the destination did not exist."""
+    src, archive = str(tmp_path / "src"), tmp_path / "buffer.zip"
+    expected = _fill(src, source)
+    assert main(["convert", src, str(archive), "--to", "zarr", "--verify", "--quiet"]) == 0
+    assert "60 rows" in capsys.readouterr().out
+    assert archive.is_file() and zipfile.is_zipfile(archive)
+    assert "writer.lock" not in zipfile.ZipFile(archive).namelist()  # nobody writes a zip again
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["buffer.zip", "src"]  # its partial is gone
+    with open_store(str(archive), mode="r") as store:
+        assert store.backend_name == "zarr" and store.read(torch.arange(60)).equal(expected)
+    with pytest.raises(FileExistsError):
+        convert(src, str(archive), "zarr")
+    with open_store(str(archive), mode="r") as store:
+        assert len(store) == 60
+
+
+def test_a_zip_destination_that_cannot_hold_the_buffer_is_refused_before_any_file(tmp_path, capsys):
+    src = str(tmp_path / "src")
+    _fill(src, "memmap", batches=1)
+    assert main(["convert", src, str(tmp_path / "m.zip"), "--to", "memmap"]) == 2
+    assert "a .zip holds a Zarr store, and this buffer would be memmap; give --to zarr" in capsys.readouterr().err
+    run_buffer = tmp_path / "run" / "buffer"
+    for k in range(2):
+        _fill(str(run_buffer / f"shard-{k:04d}"), "memmap", batches=1)
+    assert main(["convert", str(run_buffer), str(tmp_path / "shards.zip"), "--to", "zarr"]) == 2
+    assert "a .zip holds one store, and this buffer is several" in capsys.readouterr().err
+    assert main(["convert", src, "s3://bucket/buffer.zip", "--to", "zarr"]) == 2
+    assert "a zipped store is written on local disk only" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "src"]

@@ -54,6 +54,23 @@ def test_a_row_condition_keeps_a_trajectory_only_when_every_turn_meets_it(buffer
     assert kept_trajectories(buffer, "response_length <= 4") == expected
     # only the done rows meet this one: no trajectory of several turns survives it
     assert kept_trajectories(buffer, "done") == {1: [0], 4: [0]}
+    # ...and what the others' done rows were is counted, for the command to say why they went
+    with open_store(str(buffer), mode="r") as store:
+        done_rows = int(store.read(torch.arange(len(store)), fields=("done",))["done"].sum())
+        chosen = select_positions(store, "done", chunk_rows=4)
+    assert chosen.rows_dropped_with_trajectories == done_rows - 2 > 0
+
+
+def test_filter_says_how_many_rows_that_met_the_condition_went_with_their_trajectories(buffer, capsys):
+    with open_store(str(buffer), mode="r") as store:
+        rows = store.read(torch.arange(len(store)), fields=("step", "done"))
+    later_turns = int((rows["step"] > 0).sum())
+    assert main(["filter", str(buffer), "--where", "step > 0", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert f"kept 0 of {len(rows)} rows" in out
+    assert f"{later_turns} more rows met the condition but were dropped with their trajectories" in out, out
+    assert main(["filter", str(buffer), "--where", "trajectory_turns > 1", "--dry-run"]) == 0
+    assert "dropped with their trajectories" not in capsys.readouterr().out
 
 
 def test_a_filtered_buffer_holds_whole_trajectories_byte_for_byte(buffer, tmp_path):
@@ -108,3 +125,19 @@ def test_tool_statistics_on_a_buffer_written_without_tool_counts(buffer):
                         ("tool_errors", "tool_errors")):
         with pytest.raises(WhereError, match=f"uses '{name}', but this buffer does not store field '{field}'"):
             filter_buffer(buffer, None, f"{name} == 0")
+
+
+def test_a_filtered_buffer_may_be_one_zip_file(buffer, tmp_path):
+    archive = tmp_path / "kept.zip"
+    with open_store(str(buffer), mode="r") as store:
+        backend = store.backend_name
+    if backend == "memmap":  # kept in the source's backend unless told
+        with pytest.raises(ValueError, match="give --to zarr"):
+            filter_buffer(buffer, archive, "trajectory_turns > 1")
+        assert not archive.exists()
+    result = filter_buffer(buffer, archive, "trajectory_turns > 1", to="zarr")
+    assert archive.is_file() and result.stats.rows == result.rows_kept > 0
+    with open_store(str(buffer), mode="r") as src, open_store(str(archive), mode="r") as out:
+        source = src.read(torch.arange(len(src)))
+        keep = np.isin(source["trajectory_id"].numpy(), [0, 2, 3, 5])
+        assert out.read(torch.arange(len(out))).equal(source.select(torch.from_numpy(np.nonzero(keep)[0])))
