@@ -28,3 +28,15 @@ def test_a_long_piece_of_work_gives_its_rate(monkeypatch):
     work.close()
     line = log.getvalue().strip()
     assert line.startswith("[export] 3008/3008 rows (") and line.endswith(" rows/s)"), line
+
+
+def test_a_reporter_times_the_work_from_its_making_not_from_the_first_piece_done(monkeypatch, capsys):
+    """A convert of one segment reports once, after all of its work: timed from that report it said
+    "1/1 ... (in 0.00 s)"."""
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: now[0])
+    report = progress.progress_reporter("convert shard-0000 -> zarr", "rows")
+    now[0] = 107.5  # the one piece of work took 7.5 s
+    report(512, 512)
+    line = capsys.readouterr().err.strip()
+    assert line == "[convert shard-0000 -> zarr] 512/512 rows (68 rows/s)", line
