@@ -213,7 +213,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                     waited += time.perf_counter() - started
                     waiting_since = waiting_since or time.monotonic()
                     if time.monotonic() - waiting_since > WAIT_REPORT_S:
-                        say(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: {plan.waiting_for}")
+                        say(f"{tag} no round for {time.monotonic() - waiting_since:.0f} s: "
+                            f"{stop_check.waiting_for or plan.waiting_for}")
                         waiting_since = time.monotonic()  # said again after as long a wait
                     continue
             waiting_since = None
@@ -386,6 +387,15 @@ class _StopCheck:
             say(f"{tag} the run's learner finished before this collector started (its STOP is there): "
                 f"collecting for the next learner (`learn` or `run` with a larger --steps), which the "
                 f"collector then stops with")
+
+    @property
+    def waiting_for(self) -> str | None:
+        """What a paced wait is for while no learner has started since the finished one: the pacing's
+        own reason speaks of that learner ("its last step"), which no longer runs."""
+        if self._earlier is None:
+            return None
+        return ("waiting for the next learner (`learn` or `run` with a larger --steps) to start: the run's last "
+                "learner finished before this collector started")
 
     def __call__(self) -> bool:
         if self.stop.event.is_set():

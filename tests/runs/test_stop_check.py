@@ -38,8 +38,11 @@ def test_a_collector_on_its_own_takes_a_stop_found_at_its_start_as_an_earlier_le
     check = _StopCheck(paths, flag, "[collector]")
     assert "finished before this collector started" in capsys.readouterr().err
     assert not check()
+    # a paced wait says what it waits for: not "the learner's last step", which was that finished learner's
+    assert check.waiting_for.startswith("waiting for the next learner (`learn` or `run` with a larger --steps)")
     paths.clear_stop()  # the next learner starts
     assert not check()
+    assert check.waiting_for is None  # the pacing's reasons speak of that learner
     paths.request_stop()  # and finishes
     assert check()
 
@@ -65,3 +68,4 @@ def test_a_collector_of_a_launcher_stops_at_a_stop_found_at_its_start(flag, tmp_
     check = _StopCheck(paths, flag, "[collector]")
     assert check()
     assert "finished before this collector started" not in capsys.readouterr().err
+    assert check.waiting_for is None
