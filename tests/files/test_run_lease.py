@@ -52,7 +52,11 @@ def test_a_holder_on_this_host_that_no_longer_runs_is_taken_over_at_once(store):
 
     store.write("run.lock", json.dumps({"pid": int(gone.stdout), "host": socket.gethostname(),
                                         "lease_s": 600.0}).encode())
-    ObjectLease(store, "run.lock").acquire().release()
+    lease = ObjectLease(store, "run.lock").acquire()  # without waiting: a live holder's would raise LeaseHeldError
+    try:
+        assert json.loads(store.read("run.lock"))["token"] == lease._record["token"]
+    finally:
+        lease.release()
 
 
 def test_a_holder_taken_over_learns_it_at_its_next_renewal(store, server):
