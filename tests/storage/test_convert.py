@@ -175,12 +175,13 @@ def test_a_convert_killed_midway_leaves_no_destination_and_the_rerun_converts_ev
         assert [k for k, _ in list_shards(dst)] == [0, 1]
 
 
-def test_a_convert_that_fails_midway_leaves_no_destination(tmp_path):
+@pytest.mark.parametrize("name", ["dst", "dst.zip"])
+def test_a_convert_that_fails_midway_leaves_no_destination(tmp_path, name):
     """A source whose third segment is damaged: the error is raised after two were appended, and
-    nothing is left at DST or beside it."""
+    nothing is left at DST or beside it (a zip's directory store, built first, neither)."""
     from rlhf_pipeline.storage.errors import StoreError
 
-    src, dst = tmp_path / "src", tmp_path / "dst"
+    src, dst = tmp_path / "src", tmp_path / name
     _fill(str(src), "memmap")
     (src / "seg-00000002" / "reward.col").write_bytes(b"")  # a column file cut to nothing
     with pytest.raises(StoreError):
