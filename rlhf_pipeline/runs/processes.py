@@ -96,7 +96,7 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
     resumes from its shard's last publish: no round repeated or skipped, whenever it was killed.
     ``one_of_several``: its lines say ``[collector K]``, else ``[collector]`` (collector 0 alone).
     """
-    from rlhf_pipeline.collect.rewards import EpisodeFailureRateError
+    from rlhf_pipeline.collect.rewards import EpisodeFailureRateError, RewardError
     from rlhf_pipeline.collect.console import collector_tag, name_collectors, say
     from rlhf_pipeline.collect.commit import stored_in_round
     from rlhf_pipeline.coordination.branch_weights import held_version
@@ -232,6 +232,10 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
                 say(f"{tag} stopped: {exc}")  # one line; a rerun resumes from the state the store last published
                 failed = None if stop.event.is_set() else exc  # asked to stop (its wait for a shared server ended)
                 break
+            except RewardError as exc:  # a reward's answer that cannot be a row's: its message names the fix
+                say(f"{tag} stopped: {exc}")
+                failed = exc
+                break
             if store.writer_state is None:
                 raise PipelineError("the pipeline's collector wrote its round without its state: give it "
                                     "make_replay_buffer(store, transforms=...).extend as its sink, which "
@@ -260,7 +264,8 @@ def collect_main(pipeline: Pipeline, paths: RunPaths, rounds: int | None = None,
         store.close()
         GenerationEngine.stopping = None
         stop.restore()
-    say(f"{tag} stopped after {done} rounds ({paced_total:.1f}s waiting for the learner to take rows in)")
+    say(f"{tag} stopped after {done} round{'' if done == 1 else 's'} ({paced_total:.1f}s waiting for the learner to "
+        f"take rows in)")
     return 1 if failed is not None else stop.exit_code()
 
 

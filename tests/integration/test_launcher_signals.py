@@ -181,6 +181,27 @@ def test_run_imports_no_torch_and_reports_the_learners_check_as_its_own(tmp_path
     assert not (tmp_path / "bad_reward").exists()
 
 
+def test_a_reward_that_answers_wrongly_mid_run_stops_it_in_one_line_naming_the_fix(tmp_path):
+    """Past its preflight, a reward that gives one value too few: the collector stops with the reward's
+    own refusal in one line (it was a traceback through the collector), and the learner checkpoints."""
+    breaks = tmp_path / "breaks.py"
+    breaks.write_text(Path(DEFAULT).read_text().replace(
+        'rewards = {"toy": toy_reward}',
+        'calls = []\n'
+        '    rewards = {"toy": lambda prompts, completions, **fields: '
+        'calls.append(1) or toy_reward(prompts, completions, **fields)[len(calls) > 1:]}'))
+    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(breaks), "--home",
+                             str(tmp_path), "--steps", "20", *FAST], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    out = result.stdout + result.stderr
+    assert result.returncode == 2, out[-3000:]  # run's error: a child failed
+    assert "Traceback" not in out, out[-3000:]
+    stopped = [line for line in out.splitlines() if line.startswith("[collector] stopped: ")]
+    assert len(stopped) == 1 and stopped[0].endswith(" completions; return one per completion"), out[-3000:]
+    assert "reward 'toy' returned " in stopped[0]
+    assert "the collector ended early" in out and "[learner] stopped at step" in out, out[-3000:]
+
+
 @pytest.mark.parametrize("how", ["SIGTERM to run", "Ctrl-C to the group"])
 def test_a_signal_during_the_warm_start_stops_every_child(tmp_path, how):
     """The learner child warm-starts while the collectors wait for weights version 0: a signal then
