@@ -259,7 +259,9 @@ def check_failure_rate(dropped: int, emitted: int, limit: float | None, min_grou
     if limit is None or not dropped or dropped <= limit * max(emitted, min_groups):
         return
     why = f"; the last: {last}" if last else ""
+    # before min_groups have run, stopping early says that even the groups still to come cannot bring it back
+    counted = (f"counted over at least {min_groups} groups: {dropped} of {min_groups} is past it already"
+               if emitted < min_groups else f"counted over at least {min_groups} groups")
     raise EpisodeFailureRateError(
         f"{dropped} of {emitted} groups were dropped over {over}, more than max_failed_group_fraction={limit:g} allows "
-        f"(counted over at least {min_groups} groups){why}; fix the reward or environment, or raise "
-        f"CollectorConfig.max_failed_group_fraction")
+        f"({counted}){why}; fix the reward or environment, or raise CollectorConfig.max_failed_group_fraction")

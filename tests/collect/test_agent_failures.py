@@ -147,7 +147,8 @@ def test_past_the_failure_rate_collect_raises_one_line_after_writing_the_round(t
         agents.collect()  # 2 of 3 groups dropped: more than 0.25 of at least 4
     message = str(raised.value)
     assert "\n" not in message and message.startswith("2 of 3 groups were dropped over failed episodes")
-    assert "max_failed_group_fraction=0.25" in message and "counted over at least 4 groups" in message
+    assert "max_failed_group_fraction=0.25" in message
+    assert "(counted over at least 4 groups: 2 of 4 is past it already)" in message  # not 2 of 3: why it stops now
     good = [t["fail"] for t in TaskSource(tasks, seed=2).next_batch(3)].index("none")
     assert len(written) == 1 and set(written[0]["group_id"].tolist()) == {good}  # the good group was written
     below = collector(model, tokenizer, tasks, sink=into(written), max_failed_group_fraction=0.7,
