@@ -70,6 +70,11 @@ def new_store(store_class, dst: str, command: str, schema, **options) -> Iterato
                 os.link(archive, dst)
             except FileExistsError:
                 raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path") from None
+            except OSError:  # a file system without hard links: renamed in, after one more look
+                if os.path.lexists(dst):
+                    raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path") \
+                        from None
+                os.replace(archive, dst)
             fsync_dir(Path(dst).resolve().parent)
         finally:
             shutil.rmtree(build_at, ignore_errors=True)

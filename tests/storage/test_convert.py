@@ -235,3 +235,20 @@ def test_a_zip_destination_that_cannot_hold_the_buffer_is_refused_before_any_fil
     assert main(["convert", src, "s3://bucket/buffer.zip", "--to", "zarr"]) == 2
     assert "a zipped store is written on local disk only" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run", "src"]
+
+
+def test_a_zip_on_a_file_system_without_hard_links_is_renamed_in(tmp_path, monkeypatch):
+    """Some file systems (FUSE mounts, SMB shares, exFAT) refuse ``link``; the zip is then renamed in."""
+    import errno
+    import os
+
+    def no_links(*_):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    src, archive = str(tmp_path / "src"), tmp_path / "buffer.zip"
+    expected = _fill(src, "memmap", batches=2)
+    monkeypatch.setattr(os, "link", no_links)
+    convert(src, str(archive), "zarr")
+    assert zipfile.is_zipfile(archive) and sorted(p.name for p in tmp_path.iterdir()) == ["buffer.zip", "src"]
+    with open_store(str(archive), mode="r") as store:
+        assert store.read(torch.arange(len(store))).equal(expected)
