@@ -296,7 +296,9 @@ class SelectionStore(TrajectoryStore):
             raise SelectionInvalidError(
                 f"{name} now starts at global row {store.first_row}: kept rows from {oldest} were "
                 f"evicted since the selection was made, so it can no longer be read. Filter again from a "
-                f"buffer that holds them (or raise the source's capacity_rows)")
+                f"buffer that holds them; a selection keeps none of its rows, so a source that drops old rows (its "
+                f"capacity_rows, or its run's retention.*) drops them from it: copy the rows instead (`filter` without "
+                f"--selection) to keep them")
         probes = part.get("probes") or []
         if probes:
             ids = np.array([p[0] for p in probes], dtype=np.int64)

@@ -176,8 +176,10 @@ def test_evicted_rows_make_the_selection_a_clear_error(tmp_path):
         store.append(rows(i))  # the oldest segments go, and with them kept rows
     with pytest.raises(SelectionInvalidError, match="evicted"):
         sel.read(torch.arange(len(sel)))
-    with pytest.raises(SelectionInvalidError, match=r"now starts at global row \d+: kept rows from 4 were evicted"):
+    with pytest.raises(SelectionInvalidError, match=r"now starts at global row \d+: kept rows from 4 were evicted") \
+            as refused:
         open_buffer(tmp_path / "sel")
+    assert "copy the rows instead (`filter` without --selection)" in str(refused.value)  # how to keep them next time
     sel.close()
     store.close()
 
