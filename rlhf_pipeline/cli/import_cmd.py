@@ -79,6 +79,11 @@ def run(args: argparse.Namespace) -> int:
         raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")
     args.buffer = store_or_run(args.buffer, args.home, "BUFFER")
     writable_output(args.buffer, "BUFFER")
+    if "://" not in args.buffer and args.buffer.rstrip("/").endswith(".zip") and not Path(args.buffer).exists():
+        # a new store is one an import appends to, a directory: named .zip it would read as no zip
+        raise CommandRefused(f"BUFFER {args.buffer}: a zipped store is read-only, and import writes a store it appends "
+                             f"to; import into a directory, then `rlhf-pipeline convert DIR {args.buffer} --to zarr` "
+                             f"zips it")
     if args.device is not None:
         from rlhf_pipeline.pipeline import PipelineError
         from rlhf_pipeline.runs.devices import check_cuda_device

@@ -35,6 +35,16 @@ def test_a_missing_source_is_reported_before_torch_is_imported(tmp_path):
     assert "nope.jsonl' does not exist" in done.stderr
 
 
+def test_a_new_buffer_named_like_a_zip_is_refused_before_anything_is_read_or_made(tmp_path, capsys):
+    """A store an import makes is one it appends to: named .zip, a memmap one was a directory that read as no
+    zip, and a Zarr one was refused only after the whole source had been checked."""
+    source = write_jsonl(tmp_path / "rows.jsonl", toy_rows(2))
+    assert main(["import", str(source), str(tmp_path / "rows.zip"), "--pipeline", str(DEFAULT_PIPELINE)]) == 2
+    err = capsys.readouterr().err
+    assert "a zipped store is read-only" in err and f"convert DIR {tmp_path / 'rows.zip'} --to zarr" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl"]
+
+
 def test_group_size_advice_in_a_run_does_not_suggest_set(tiny_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)
