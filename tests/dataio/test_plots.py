@@ -147,7 +147,6 @@ def test_a_branch_curve_continues_its_parents_moving_average(tmp_path):
 @pytest.mark.slow
 def test_a_runs_held_out_scores_are_charted_beside_its_training_reward_on_the_same_steps(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    import subprocess
     from pathlib import Path
 
     from rlhf_pipeline.dataio.plots import chart_figure, charts_to_draw, load_runs
