@@ -27,11 +27,15 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.storage.errors import StoreError
 
     try:
-        detached = detach(args.branch)
+        detached, now = detach(args.branch)
     except (BranchError, RunStoreError, StoreError) as exc:
         raise CommandRefused(str(exc)) from None
     copied = (f"{detached['rows_copied']} parent rows copied into {detached['rows_in']}" if detached["rows_copied"]
               else "it read no parent rows (a branch of a replay holds its own checkpoint and weights)")
-    print(f"[detach] {args.branch} is self-contained: {copied}; its lineage stays in branch.json "
-          f"(detached {detached['at']})", file=sys.stderr)
+    if now:
+        print(f"[detach] {args.branch} is self-contained: {copied}; its lineage stays in branch.json "
+              f"(detached {detached['at']})", file=sys.stderr)
+    else:
+        print(f"[detach] {args.branch} was already self-contained, detached {detached['at']} ({copied}); nothing "
+              f"to do", file=sys.stderr)
     return 0

@@ -22,8 +22,9 @@ OWN_IDS = "own-rows.npy"  # the per-row ids of a copy, as detach wrote them befo
 SWITCHED = "detached_into"  # in a switched selection's manifest: the copy it reads (OWN_ROWS)
 
 
-def detach(branch: str | Path) -> dict[str, Any]:
-    """Makes ``branch`` (a directory or a URL) self-contained; returns the ``detached`` record."""
+def detach(branch: str | Path) -> tuple[dict[str, Any], bool]:
+    """Makes ``branch`` (a directory or a URL) self-contained; returns the ``detached`` record and whether
+    this call made it (False: an earlier detach had, and this one only finished what it may have left)."""
     location = resolved_location(str(branch)).rstrip("/")
     store = run_store_at(location)
     try:
@@ -33,7 +34,8 @@ def detach(branch: str | Path) -> dict[str, Any]:
     if lineage is None:
         raise BranchError(f"{location} is no branch (no {BRANCH_FILE}); detach takes a run made by `rlhf-pipeline "
                           f"branch`")
-    if not lineage.get("detached"):
+    already = bool(lineage.get("detached"))
+    if not already:
         source = lineage.get("replay_source")
         if source is not None and is_inside(str(source), str(lineage["parent"])):
             # a branch of a branch replayed over its own parent-rows/ reads that source at every start;
@@ -47,7 +49,7 @@ def detach(branch: str | Path) -> dict[str, Any]:
         store.write(BRANCH_FILE, json.dumps(lineage, indent=2, sort_keys=True).encode())
     for name in SELECTION_FILES[1:]:  # the parent's ids of the old selection: nothing names them any more
         store.delete(f"{PARENT_ROWS}/{name}")
-    return lineage["detached"]
+    return lineage["detached"], not already
 
 
 def _own_selection(store: Any, location: str) -> int:

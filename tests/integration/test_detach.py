@@ -61,7 +61,10 @@ def test_a_detached_branch_trains_the_same_after_its_parent_is_deleted(home, cap
     lineage = json.loads((home / "alone" / "branch.json").read_text())
     assert lineage["parent"] == str(parent) and lineage["step"] == 4 and lineage["detached"]["rows_copied"] == len(
         before)
-    assert main(["detach", str(home / "alone")]) == 0  # again: nothing left to do
+    assert main(["detach", str(home / "alone")]) == 0  # again: nothing left to do, and said so
+    again = capsys.readouterr().err
+    assert f"{home / 'alone'} was already self-contained, detached {lineage['detached']['at']}" in again, again
+    assert again.rstrip().endswith("; nothing to do")
 
     shutil.rmtree(parent)
     assert held_ids(home / "alone" / "parent-rows") == before  # the same rows at the same positions
