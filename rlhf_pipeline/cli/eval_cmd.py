@@ -98,7 +98,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         chosen = list(available)
     code = eval_main(pipeline, paths, versions=[(v, available[v]) for v in chosen], engine_device=engine_device)
-    _print_stored(paths, eval_sets_of(pipeline), pipeline.settings.eval, chosen, publish_every)
+    _print_stored(paths, eval_sets_of(pipeline), pipeline.settings.eval, chosen, publish_every, stopped=code != 0)
     return code
 
 
@@ -109,8 +109,9 @@ def _run_device(paths) -> str:
     return str((saved_settings(paths.store) or {}).get("device") or "cpu")
 
 
-def _print_stored(paths, sets, settings, versions, publish_every: int) -> None:
-    """The stored summary of each (version, set) asked for, evaluated now or before."""
+def _print_stored(paths, sets, settings, versions, publish_every: int, *, stopped: bool) -> None:
+    """The stored summary of each (version, set) asked for, evaluated now or before; ``stopped``: this
+    evaluation was stopped (a signal) before it had done them all."""
     from rlhf_pipeline.evaluation.evaluator import EvalProgress, evaluation_name, set_store_location
     from rlhf_pipeline.storage import open_store
 
@@ -124,8 +125,12 @@ def _print_stored(paths, sets, settings, versions, publish_every: int) -> None:
         for version in versions:
             summary = progress.done.get(version)
             where = f"{name} step {version * publish_every} (policy version {version})"
-            if summary is None:
-                print(f"{where}: failed: {progress.failed.get(version, 'not evaluated')}")
+            if version in progress.failed:
+                print(f"{where}: failed: {progress.failed[version]}")
+                continue
+            if summary is None:  # a version the stop came before is no failure
+                print(f"{where}: not evaluated" + ("; stopped before it: the same command evaluates it" if stopped
+                                                   else ""))
                 continue
             shown = ", ".join(f"{key.rsplit('/', 1)[1]} {value:.3f}" for key, value in summary.items()
                               if not key.endswith("/prompts"))

@@ -7,6 +7,8 @@ killed mid-append and resumed, its lease waited out) is ``tests/storage/test_obj
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from collections import Counter
@@ -35,9 +37,9 @@ HELD_OUT = 40  # prompts of the default pipeline's held-out set
 SAMPLED_5 = ["--set", "eval.samples=2", "--set", "eval.temperature=1.0", "--set", "eval.max_prompts=5"]
 
 
-def cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def cli(*args: str, timeout: float = 300, **options) -> subprocess.CompletedProcess:
     return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO,
-                         capture_output=True, text=True, timeout=timeout)
+                         capture_output=True, text=True, timeout=timeout, **options)
 
 
 def logged(run: str, log: str = "metrics.jsonl") -> list[dict]:
@@ -119,6 +121,21 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     rows, progress = stored(run, "held_out-k2-t1-n5")
     assert sorted(progress.done) == kept and set(samples_of(rows).values()) == {1}
     assert all(rows["policy_version"].tolist().count(v) == 10 for v in kept)  # 5 prompts, 2 samples each
+
+    # stopped (here by its launcher's stop pipe, asked before it began) before it evaluated them all: what it
+    # did not reach is said to be not evaluated, and how to finish; it was "failed: not evaluated"
+    read_end, write_end = os.pipe()
+    os.write(write_end, b"s")
+    try:
+        stopped = cli("eval", run, "--all-kept", "--set", "eval.samples=3", "--set", "eval.temperature=1.0",
+                      "--stop-fd", str(read_end), pass_fds=(read_end,))
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+    assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr[-3000:]
+    lines = [line for line in stopped.stdout.splitlines() if line.startswith("held_out-k3-t1 step ")]
+    assert len(lines) == len(kept) and not any("failed" in line for line in lines), stopped.stdout
+    assert lines[-1].endswith(": not evaluated; stopped before it: the same command evaluates it"), stopped.stdout
 
 
 @AT_A_URL_ON_S3
