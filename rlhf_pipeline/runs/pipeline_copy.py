@@ -38,7 +38,7 @@ def keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
     if PIPELINE_KEY not in kept:
         _write(store, current, kept, paths, first=True)
         return
-    changed = sorted(key for key in current.keys() | kept.keys() if current.get(key) != kept.get(key))
+    changed = _changed(current, kept)
     if not changed:
         return
     from rlhf_pipeline.coordination.weights import latest_version
@@ -60,6 +60,17 @@ def keep_pipeline_copy(pipeline: Pipeline, paths: RunPaths) -> None:
         f"Resume with the files as they were (the copy: {copy}), start a new run with --run-name NAME, or, to go on "
         f"with the changed files, remove {store.describe(PIPELINE_KEY)} and start again"
     )
+
+
+def differs_from_copy(pipeline_file: Path, store: RunStore) -> bool:
+    """Whether ``pipeline_file`` (with the modules beside it that it imports) is not the run's copy; a run
+    with no copy yet has none to differ from."""
+    kept = kept_sources(store)
+    return PIPELINE_KEY in kept and bool(_changed(pipeline_sources(pipeline_file), kept))
+
+
+def _changed(current: dict[str, bytes], kept: dict[str, bytes]) -> list[str]:
+    return sorted(key for key in current.keys() | kept.keys() if current.get(key) != kept.get(key))
 
 
 def pipeline_sources(pipeline_file: Path) -> dict[str, bytes]:

@@ -104,7 +104,7 @@ def run_command(command: str, *, pipeline_path: str, steps: int | None = None, h
     start_online(paths)  # a half-made branch is refused; a branch of a run with collectors is set up to go online
     if paths.url is None:
         refuse_evicting_parent(paths.root)  # nor may its parent evict the rows it reads (a local store's eviction)
-    if command in ("run", "learn") and _already_finished(command, paths, settings.steps):
+    if command in ("run", "learn") and _already_finished(command, paths, settings.steps, Path(pipeline_path)):
         return 0
     # one command at a time per run directory; `run`'s children and the ranks of a torchrun'd
     # `learn` run under the holder that started them
@@ -250,12 +250,17 @@ def _terminated_while_preparing(signum, frame) -> None:
     raise SystemExit(128 + signum)
 
 
-def _already_finished(command: str, paths: RunPaths, steps: int) -> bool:
-    """Says so when the newest checkpoint already reached ``steps`` (before any slow work)."""
+def _already_finished(command: str, paths: RunPaths, steps: int, pipeline_file: Path) -> bool:
+    """Says so when the newest checkpoint already reached ``steps`` (before any slow work), for the
+    run's own pipeline: another file given is left to the checks that refuse it, naming why."""
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.runs.pipeline_copy import differs_from_copy
 
     reached = run_checkpoints(paths).latest_step()
     if reached is None or reached < steps:
+        return False
+    given = pipeline_file.resolve()
+    if not (paths.url is None and given == paths.pipeline_file.resolve()) and differs_from_copy(given, paths.store):
         return False
     print(f"[{command}] {paths.location} has already reached step {reached} (--steps {steps}); nothing to do. "
           f"To train further, raise --steps, e.g. --steps {reached + max(steps, 1)}", file=sys.stderr)

@@ -108,3 +108,26 @@ def test_the_modules_beside_the_pipeline_file_are_kept_and_compared(tmp_path, mo
     err = capsys.readouterr().err
     assert f"imports '{name}', which is neither installed here nor kept by the run" in err
     assert "pass --pipeline PIPELINE.py" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_finished_run_given_another_pipeline_file_is_refused_for_it_not_told_there_is_nothing_to_do(tmp_path):
+    """At a --steps the run has reached, `run` said "nothing to do" before it compared the file given with
+    the run's copy: the answer for the run's own pipeline, not for another file."""
+    import subprocess
+
+    import preloaded
+
+    def run(pipeline_file) -> subprocess.CompletedProcess:
+        return preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(pipeline_file), "--home",
+                              str(tmp_path), "--run-name", "run", "--steps", "2",
+                              *[a for s in SMALL for a in ("--set", s)]], capture_output=True, text=True, timeout=300)
+
+    first = run(DEFAULT_PIPELINE)
+    assert first.returncode == 0, first.stderr[-3000:]
+    mine = tmp_path / "mine.py"
+    mine.write_text(DEFAULT + "\n# another file, the same settings\n")
+    other = run(mine)
+    assert other.returncode == 2 and "nothing to do" not in other.stderr, other.stderr[-3000:]
+    assert f"pipeline file {mine} (with the modules beside it that it imports) differs from the copy" in other.stderr
+    again = run(DEFAULT_PIPELINE)  # the run's own file: nothing to do, as before
+    assert again.returncode == 0 and "has already reached step 2 (--steps 2); nothing to do" in again.stderr
