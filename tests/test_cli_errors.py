@@ -165,4 +165,6 @@ def test_best_of_a_run_that_keeps_none_names_what_the_command_takes_instead(argv
     err = capsys.readouterr().err
     assert err.startswith(f"rlhf-pipeline {argv[0]}: error: ") and err.count("\n") == 1, err
     assert "keeps no best checkpoint: it was not run with learner.keep_best" in err and err.rstrip().endswith(instead)
+    # the shape of the setting, not one evaluation's name: tool_use.py's is held_out-k4-t1, and held_out is refused
+    assert "--set learner.keep_best=eval/<evaluation>/pass@1" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]

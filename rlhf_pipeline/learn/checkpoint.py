@@ -323,8 +323,9 @@ def run_best(paths: Any, instead: str = "a step or a version") -> BestCheckpoint
     keep_best, best = kept_best(paths)
     if keep_best is None:
         raise NoBestCheckpoint(f"{paths.location} keeps no best checkpoint: it was not run with "
-                               f"learner.keep_best (e.g. --set learner.keep_best=eval/held_out/pass@1 with "
-                               f"--set eval.every_steps=N); give {instead} instead")
+                               f"learner.keep_best (--set learner.keep_best=eval/<evaluation>/pass@1 with --set "
+                               f"eval.every_steps=N, <evaluation> as the run's eval/metrics.jsonl spells it: held_out, "
+                               f"or held_out-k4-t1 for 4 samples at temperature 1); give {instead} instead")
     if best is None:
         raise NoBestCheckpoint(f"{paths.location} has no best checkpoint yet: no kept checkpoint's policy version "
                                f"has a score of {keep_best.metric} (the evaluator scores them as the run goes; "
