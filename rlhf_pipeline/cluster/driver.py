@@ -26,6 +26,7 @@ from rlhf_pipeline.runs.stopping import LauncherSignals
 
 INSTALL_HINT = "pip install -e '.[ray]'"
 LOG_FLUSH_S = 1.0
+PROBE_S = 10.0  # a cluster's address that takes no connection this long is named as unreachable
 
 
 def require_ray(command: str) -> None:
@@ -52,6 +53,11 @@ def ray_launcher(command: str, address: str) -> Callable[..., int]:
     """What ``run_command(on_ray=...)`` calls for ``--ray ADDRESS`` ("" starts a local cluster);
     fails in one line first when ``--ray`` cannot work here, before any slow work."""
     require_ray(command)
+    named = address or os.environ.get("RAY_ADDRESS", "")
+    if named and (unreachable := why_unreachable(named)) is not None:  # ray.init would retry it, then hang
+        raise RunError(f"{'--ray' if address else 'RAY_ADDRESS'} {named}: no Ray cluster answers there ({unreachable}); "
+                       f"start one with `ray start --head` on that machine, or give the address `ray status` prints "
+                       f"there")
     return functools.partial(launch_on_ray, address=address)
 
 
@@ -108,6 +114,21 @@ def _connect(address: str) -> tuple[Any, bool]:
               "started for this run", file=sys.stderr, flush=True)
         ray.init(namespace=NAMESPACE, include_dashboard=False)
     return ray, True
+
+
+def why_unreachable(address: str, timeout_s: float = PROBE_S) -> str | None:
+    """Why nothing takes a connection at a ``HOST:PORT`` (or ``ray://HOST:PORT``) address, else None;
+    Ray's other addresses (``auto``, ``local``) are Ray's to resolve."""
+    import socket
+
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:  # refused, unreachable, no such host, or no answer within timeout_s
+        return exc.strerror or str(exc) or type(exc).__name__
 
 
 def _start_control(ray: Any, paths: RunPaths) -> Any:
