@@ -50,7 +50,8 @@ def test_detach_switches_to_one_range_of_its_copy_at_any_size(tmp_path):
     for rows_per_shard in (400, 4000):
         parent, branch = branch_of_two_shards(tmp_path / str(rows_per_shard), rows_per_shard)
         ids, tokens, state = everything(branch / "parent-rows")
-        assert detach(branch)["rows_copied"] == ids.numel() == 2 * rows_per_shard - 16
+        record, now = detach(branch)
+        assert now and record["rows_copied"] == ids.numel() == 2 * rows_per_shard - 16
         assert sorted(p.name for p in (branch / "parent-rows").iterdir()) == ["selection.json"]
         manifest = json.loads((branch / "parent-rows" / "selection.json").read_text())
         assert manifest["row_ranges"] == [[0, 0, ids.numel()]] and manifest[SWITCHED] == OWN_ROWS
@@ -85,7 +86,8 @@ def test_a_branch_detached_with_per_row_ids_still_opens_and_finishes_without_cop
     (branch / "branch.json").write_text(json.dumps(lineage))
     copy_files = {p: p.stat().st_mtime_ns for p in (branch / OWN_ROWS).rglob("*")}
 
-    assert detach(branch)["rows_copied"] == ids.numel()
+    record, now = detach(branch)
+    assert now and record["rows_copied"] == ids.numel()  # branch.json did not say it was detached: this call did
     assert {p: p.stat().st_mtime_ns for p in (branch / OWN_ROWS).rglob("*")} == copy_files  # not copied again
     shutil.rmtree(parent)
     old_ids, _, old_state = everything(selection)
