@@ -115,6 +115,13 @@ def detect_backend(location: str) -> str:
     if is_selection(location):
         raise NotAStoreError(f"{location} is a saved selection (a branch's parent-rows/, or filter --selection), rows "
                              f"of other stores read in place, not a store: read it with open_buffer({location!r})")
+    if "://" not in location and location.endswith(".zip") and os.path.isfile(location):
+        import zipfile
+
+        what = ("a zip file that holds no Zarr store (no zarr.json at its top)" if zipfile.is_zipfile(location)
+                else "not a readable zip file (cut short in a copy, or not a zip at all)")
+        raise NotAStoreError(f"{location} is {what}; a zipped store is the one file `rlhf-pipeline convert SRC "
+                             f"{os.path.basename(location)} --to zarr` writes")
     raise NotAStoreError(
         f"{location} is not a replay buffer: no backend ({', '.join(BACKENDS)}) recognizes it. Check the "
         f"path: a buffer is a memmap directory, a Zarr store, or a run's buffer/ of shard-NNNN stores."

@@ -158,6 +158,25 @@ def test_zip_store_reads_every_row(tmp_path):
         ZarrTrajectoryStore.open(str(archive), "a")
 
 
+def test_a_zip_cut_short_or_holding_no_store_is_named_as_such(tmp_path):
+    """Both were "not a replay buffer: no backend recognizes it", as for a path that holds anything else."""
+    _fill(tmp_path / "b", n_batches=1)
+    archive = tmp_path / "b.zip"
+    with zipfile.ZipFile(archive, "w") as zf:
+        for file in sorted((tmp_path / "b").rglob("*")):
+            if file.is_file():
+                zf.write(file, file.relative_to(tmp_path / "b").as_posix())
+    cut = tmp_path / "cut.zip"
+    cut.write_bytes(archive.read_bytes()[: archive.stat().st_size // 2])  # a copy stopped half way
+    with pytest.raises(NotAStoreError, match=r"cut.zip is not a readable zip file \(cut short in a copy"):
+        open_store(str(cut))
+    other = tmp_path / "notes.zip"
+    with zipfile.ZipFile(other, "w") as zf:
+        zf.writestr("notes.txt", "not a store")
+    with pytest.raises(NotAStoreError, match=r"notes.zip is a zip file that holds no Zarr store"):
+        open_store(str(other))
+
+
 def test_fsspec_file_url_round_trip_with_reader(tmp_path):
     url = (tmp_path / "b").as_uri()
     assert url.startswith("file://")
