@@ -42,7 +42,7 @@ def new_buffer_at(dst: str, command: str) -> Iterator[str]:
             except OSError as exc:
                 if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
                     raise
-                raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path") from None
+                raise _made_meanwhile(dst) from None
             fsync_dir(Path(dst).resolve().parent)
         except BaseException:
             shutil.rmtree(build_at, ignore_errors=True)
@@ -69,11 +69,10 @@ def new_store(store_class, dst: str, command: str, schema, **options) -> Iterato
             try:  # a link, unlike a rename, never replaces a dst made meanwhile
                 os.link(archive, dst)
             except FileExistsError:
-                raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path") from None
+                raise _made_meanwhile(dst) from None
             except OSError:  # a file system without hard links: renamed in, after one more look
                 if os.path.lexists(dst):
-                    raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path") \
-                        from None
+                    raise _made_meanwhile(dst) from None
                 os.replace(archive, dst)
             fsync_dir(Path(dst).resolve().parent)
         finally:
@@ -108,13 +107,17 @@ def _zip_directory(directory: Path, archive: Path) -> None:
         os.fsync(written.fileno())
 
 
+def _made_meanwhile(dst: str) -> FileExistsError:
+    return FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path")
+
+
 def _create_new(store_class, at: str, dst: str, schema, **options):
     """``store_class.create(at, schema, **options)`` for the new buffer ``dst`` built at ``at``; a store
     made there meanwhile (at a URL, where ``at`` is ``dst``) is a ``FileExistsError`` naming ``dst``."""
     try:
         return store_class.create(at, schema, **options)
     except FileExistsError:
-        raise FileExistsError(f"{dst} exists (made meanwhile by another process); choose a new path") from None
+        raise _made_meanwhile(dst) from None
 
 
 @contextmanager
