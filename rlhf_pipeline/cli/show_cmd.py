@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
         print("(tokens shown by id: pass --pipeline PIPELINE.py to decode them with its tokenizer)", file=sys.stderr)
     if args.html:
         page = Path(args.html)
+        page.parent.mkdir(parents=True, exist_ok=True)
         page.write_text(trajectory_html(view, tokenizer, title=str(args.buffer)), encoding="utf-8")
         print(f"wrote {page}", file=sys.stderr)
     return 0

@@ -103,6 +103,7 @@ def export_buffer(buffer: str | Path, out: str | Path, format: str | None = None
         total = len(store)
         chunks = _counted(iter_chunks(store, rows_per_chunk), total, progress)
         writer = {"jsonl": _write_jsonl, "parquet": _write_parquet, "hf": _write_hf, "chat": _write_chat}[format]
+        out.parent.mkdir(parents=True, exist_ok=True)  # as convert, filter and export-model make theirs
         try:
             rows = writer(chunks, schema, partial, meta={"buffer": str(buffer), "rows": total})
         except BaseException as exc:

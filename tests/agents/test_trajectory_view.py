@@ -118,7 +118,7 @@ def test_text_and_html_show_every_token_once_with_its_training_status(stored, bp
 
 def test_show_command_prints_by_id_without_a_tokenizer_and_names_a_missing_id(stored, tmp_path, capsys):
     path, episodes = stored
-    page = tmp_path / "t.html"
+    page = tmp_path / "pages" / "t.html"  # in a directory not made yet: made, as export's and plot's are
     assert main(["show", str(path), "--trajectory", "0", "--html", str(page), "--color", "never"]) == 0
     out = capsys.readouterr()
     assert "trajectory 0 " in out.out and f"[{episodes[0].token_ids[0]}]" in page.read_text()

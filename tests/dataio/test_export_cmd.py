@@ -23,13 +23,16 @@ def test_the_format_follows_the_suffix_and_a_contradiction_is_refused(collected_
     assert (tmp_path / "rows.parquet").read_bytes()[:4] == b"PAR1"
     assert main(["export", buffer, str(tmp_path / "rows.jsonl"), "--quiet"]) == 0
     assert json.loads((tmp_path / "rows.jsonl").read_text().splitlines()[0])["group_id"] == 0
+    # into a directory not made yet: made, as convert's, filter's and export-model's are (was a traceback)
+    assert main(["export", buffer, str(tmp_path / "exports" / "rows.jsonl"), "--quiet"]) == 0
+    assert (tmp_path / "exports" / "rows.jsonl").read_text() == (tmp_path / "rows.jsonl").read_text()
     capsys.readouterr()
 
     assert main(["export", buffer, str(tmp_path / "x.parquet"), "--format", "jsonl"]) == 2
     assert "--format jsonl contradicts the name" in capsys.readouterr().err
     assert main(["export", buffer, str(tmp_path / "rows_hf")]) == 2
     assert "pass --format jsonl, parquet or hf" in capsys.readouterr().err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["rows.jsonl", "rows.parquet"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["exports", "rows.jsonl", "rows.parquet"]
 
 
 @pytest.mark.parametrize("argv", [
