@@ -211,6 +211,12 @@ class CheckpointManager:
             self._store.delete(self._key(_record_name(step)))
         return gone
 
+    def saves_at(self, step: int) -> bool:
+        """Whether the learner saves a checkpoint at ``step`` besides every ``checkpoint_every``: a rewind
+        point (a multiple of ``keep_every``: asked for every 20 steps, saving only every 50 kept one in
+        five) or a ``keep_best`` candidate. From the settings alone, the same on every rank."""
+        return bool(self.keep_every and step % self.keep_every == 0) or self.best_candidate(step)
+
     def best_candidate(self, step: int) -> bool:
         """Whether the learner saves a checkpoint at ``step`` for ``keep_best``: the step published a
         version the evaluator scores. From the settings alone, the same on every rank."""

@@ -413,7 +413,7 @@ class Learner:
             if self._display is not None:
                 self._display.update(self.progress.step, metrics)
             if self.progress.step % self.settings.checkpoint_every == 0 or self.progress.step == self.total_steps \
-                    or self.checkpoints.best_candidate(self.progress.step):  # learner.keep_best's candidates
+                    or self.checkpoints.saves_at(self.progress.step):  # rewind points, keep_best's candidates
                 self.save_checkpoint()
         finished = self.progress.step >= self.total_steps
         if not finished and (checkpoint_when_paused or self.stop_event.is_set()):

@@ -195,8 +195,8 @@ class LearnerSettings:
     keep_checkpoints: Annotated[int, Bounds(ge=1)] = 2
     """Checkpoints kept on disk (newest first)."""
     checkpoint_keep_every: Annotated[int, Bounds(ge=0, why=" (0 keeps only the newest keep_checkpoints)")] = 0
-    """Also keep every checkpoint whose step is a multiple of this (0: none beyond the newest
-    keep_checkpoints): the steps `rlhf-pipeline branch` can start a new run from."""
+    """Also save and keep a checkpoint at every step that is a multiple of this (0: none beyond the
+    newest keep_checkpoints): the steps `rlhf-pipeline branch` can start a new run from."""
     keep_best: str | None = None
     """Also keep the best checkpoint by an evaluation summary, eval/<set>/<metric> such as
     eval/held_out/pass@1 (needs eval.every_steps; none: off): a checkpoint is saved at every step whose

@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT = str(REPO / "pipelines" / "default.py")
 ROWS = 96  # 6 batches of 16: 2 epochs are 12 steps
 SETTINGS = ["warm_start_steps=0", "hidden_size=32", "num_layers=1", "num_heads=2", "learner.batch_size=16",
-            "learner.checkpoint_every=2", "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=6",
+            "learner.checkpoint_every=4", "learner.keep_checkpoints=1", "learner.checkpoint_keep_every=6",
             "learner.log_every=100"]
 OPTIONS = {"epochs": 2, "seed": 3}
 NOT_COMPARED = ("time", "tokens_per_s", "_s", "learning_rate")  # timings; the learning rate is compared apart
@@ -148,7 +148,8 @@ def test_inspect_shows_the_lineage_and_the_rewind_points(runs, capsys):
     parent, same, faster = runs
     assert main(["inspect", str(parent), "--json"]) == 0
     lineage = json.loads(capsys.readouterr().out)["run"]
-    assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]  # checkpoint_keep_every=6, keep_checkpoints=1
+    # checkpoint_keep_every=6 saves step 6 too, between checkpoint_every=4's; keep_checkpoints=1
+    assert [p["step"] for p in lineage["rewind_points"]] == [6, 12]
     assert [(b["run"], b["step"]) for b in lineage["branches"]] == [(str(faster), 6), (str(same), 6)]
     assert [b["parent_rows"] for b in lineage["branches"]] == [None, None]  # a replay's branch reads its source
     assert main(["inspect", str(faster)]) == 0

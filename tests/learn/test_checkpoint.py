@@ -103,6 +103,10 @@ def test_keep_every_keeps_rewind_points_beside_the_newest(tmp_path):
     assert manager.record(8) == {"format": 1, "step": 8, "policy_version": 8, "draws": 0,
                                  "buffer_rows": {"shard-0000": 128}}
     assert [point["step"] for point in manager.rewind_points()] == [4, 8, 9, 10]
+    # the learner saves at each rewind point too, whatever checkpoint_every is: keep_every=20 with the
+    # default checkpoint_every=50 had kept only steps 100, 200... (asked for 20, 40, 60...)
+    assert [step for step in range(1, 13) if manager.saves_at(step)] == [4, 8, 12]
+    assert not any(CheckpointManager(tmp_path).saves_at(step) for step in range(1, 13))  # keep_every=0
 
 
 def test_a_checkpoint_without_a_record_is_still_a_rewind_point(tmp_path):
