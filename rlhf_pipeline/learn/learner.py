@@ -13,6 +13,7 @@ Design: docs/learner.md#how-it-runs.
 from __future__ import annotations
 
 import contextlib
+import math
 import queue
 import sys
 import threading
@@ -290,7 +291,14 @@ class Learner:
         if checkpoint is not None:
             self.data_parallel.load_optimizer_state(self.model, self.optimizer, checkpoint["optimizer"])
             self.scheduler.load_state_dict(checkpoint["scheduler"])
+            (scheduled,), (base,) = self.scheduler.get_last_lr(), self.scheduler.base_lrs
             apply_settings(self.optimizer, self.scheduler, self.settings, self.total_steps)  # a changed lr applies
+            (now,) = self.scheduler.get_last_lr()
+            if (self.settings.lr_schedule == "cosine" and base == self.settings.lr and not math.isclose(now, scheduled)
+                    and self.data_parallel.is_main):  # the cosine's span moved with --steps, not with learner.lr
+                print(f"[learner] note: learner.lr_schedule=cosine decays to the run's last step, now "
+                      f"{self.total_steps}: the learning rate of step {self.progress.step + 1} is {now:.3g} where the "
+                      f"checkpoint's schedule had {scheduled:.3g}", file=sys.stderr, flush=True)
 
 
     def _setup_data(self, checkpoint: dict[str, Any] | None) -> None:

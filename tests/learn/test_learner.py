@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 
 import pytest
@@ -202,6 +203,26 @@ def test_a_resumed_learner_hands_on_its_version_as_published_not_its_live_weight
         assert all(torch.equal(handed[k], v) for k, v in resumed.model.state_dict().items())
     finally:
         resumed.cleanup()
+
+
+def test_a_cosine_run_resumed_with_more_steps_says_its_learning_rate_moved(tmp_path, capsys):
+    """The cosine spans the run's steps: resumed with a larger --steps, the learning rate of the next
+    step jumps back up the new curve. That happened without a word; now one line says it. Resumed to
+    the same last step, nothing is said."""
+    paths = make_run(tmp_path)
+    first = learner(paths, steps=4)
+    first.setup()
+    first.train()
+    first.cleanup()
+    capsys.readouterr()
+    for steps, said in ((4, False), (8, True)):
+        resumed = learner(paths, steps=steps)
+        resumed.setup()
+        resumed.cleanup()
+        err = capsys.readouterr().err
+        assert ("learner.lr_schedule=cosine decays to the run's last step, now 8" in err) == said, err
+    rates = re.search(r"step 5 is (\S+) where the checkpoint's schedule had (\S+)$", err.strip())
+    assert rates is not None and float(rates.group(1)) > float(rates.group(2)) == pytest.approx(1e-4), err
 
 
 def test_learner_steps_publishes_and_writes_metrics(tmp_path):
