@@ -49,6 +49,14 @@ def test_many_policy_versions_are_summarized_and_ordered_as_numbers(tmp_path, ca
 def test_inspect_of_a_non_buffer_or_a_missing_path_says_so_in_one_line(tmp_path, capsys):
     assert main(["inspect", str(tmp_path)]) == 2
     assert "is not a replay buffer" in capsys.readouterr().err
+    # the directory of runs (`inspect storage`): "not a replay buffer" did not say what it is instead
+    for name in ("default", "tool_use", "a", "b", "c"):
+        (tmp_path / "home" / name / "buffer").mkdir(parents=True)
+    for command in ("inspect", "export"):
+        assert main([command, str(tmp_path / "home"), *([str(tmp_path / "x.jsonl")] if command == "export" else [])]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.endswith(f"{tmp_path / 'home'} is a directory of runs (a, b, c, default and 1 more), not a buffer: "
+                            f"give one of them, e.g. {tmp_path / 'home' / 'a'}"), err
     missing = tmp_path / "no" / "such" / "buffer"
     for command in (["inspect", str(missing)], ["inspect", str(missing), "--verify"], ["repair", str(missing)],
                     ["convert", str(missing), str(tmp_path / "out"), "--to", "zarr"]):

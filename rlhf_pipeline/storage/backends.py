@@ -66,6 +66,14 @@ def buffer_inside(location: str) -> str | None:
     return run_buffer if "://" not in location and os.path.isdir(run_buffer) else None
 
 
+def runs_inside(location: str) -> list[str]:
+    """The names of the run directories right under ``location`` (local directories holding a
+    ``buffer/``): a ``--home`` such as ``storage/`` given where a buffer was meant. Imports no torch."""
+    if "://" in location or not os.path.isdir(location):
+        return []
+    return sorted(name for name in os.listdir(location) if os.path.isdir(os.path.join(location, name, "buffer")))
+
+
 def check_buffer_url(location: str) -> str:
     """``location`` as text when it is a local path or a URL whose scheme fsspec can open; else
     :class:`~rlhf_pipeline.storage.errors.NotAStoreError` naming the scheme and the fix (never a
@@ -105,6 +113,10 @@ def detect_backend(location: str) -> str:
     if (run_buffer := buffer_inside(location)) is not None:
         raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}? (in "
                              f"Python, open_buffer reads a run's buffer)")
+    if runs := runs_inside(location):
+        named = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
+        raise NotAStoreError(f"{location} is a directory of runs ({named}), not a buffer: give one of them, e.g. "
+                             f"{os.path.join(location, runs[0])}")
     from rlhf_pipeline.files.shard_names import local_shard_names
     from rlhf_pipeline.storage.manifest import is_selection
 
