@@ -19,6 +19,7 @@ from rlhf_pipeline.files.settings_history import flat_settings, saved_settings
 from rlhf_pipeline.pipeline import PipelineError, make_settings, settings_to_json, zarr_where_the_buffer_is_a_url
 from rlhf_pipeline.runs.lineage import PARENT_ROWS
 from rlhf_pipeline.runs.pipeline_copy import load_copy
+from rlhf_pipeline.runs.setting_changes import as_set_value
 from rlhf_pipeline.runs.replay_options import ReplayOptions
 
 # settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
@@ -37,24 +38,13 @@ def recorded_sets(settings: dict[str, Any], module: Any, *, run_at_a_url: bool =
         flat = flat_settings(defaults)
         return [key for key in sorted(wanted) if wanted[key] != flat.get(key)]
 
-    sets = [f"{key}={_as_set_value(wanted[key])}" for key in differing(settings_to_json(make_settings(module)))]
+    sets = [f"{key}={as_set_value(wanted[key])}" for key in differing(settings_to_json(make_settings(module)))]
     lost = differing(settings_to_json(make_settings(module, sets)))
     if lost:
         raise ValueError(f"setting(s) {', '.join(lost)} cannot be given back with --set")
     implied = [item for item in sets if item != "buffer_backend=zarr"]  # by where the buffer is: unsaid
     return implied if "buffer_backend=zarr" in zarr_where_the_buffer_is_a_url(implied, run_at_a_url=run_at_a_url) \
         else sets
-
-
-def _as_set_value(value: Any) -> str:
-    """``value`` as ``--set`` spells it (``pipeline.parse_value`` reads it back)."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if value is None:
-        return "none"
-    if isinstance(value, (list, tuple)):
-        return ",".join(_as_set_value(v) for v in value)
-    return str(value)
 
 
 def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:

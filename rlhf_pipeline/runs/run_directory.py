@@ -30,7 +30,7 @@ from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.files.settings_history import record_resume, saved_settings, settings_in_force
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
-from rlhf_pipeline.runs.setting_changes import settings_changes
+from rlhf_pipeline.runs.setting_changes import sets_giving_back, settings_changes
 
 
 class RunError(RuntimeError):
@@ -243,9 +243,11 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
             changed = settings_changes(in_force, pipeline.settings, tag="[run]",
                                        since=f"step {resumed_from}" if resumed_from else "the run started")
             if changed:
+                giving_back = sets_giving_back(in_force, changed)
                 raise RunError(
                     f"run directory {paths.location} was started with other settings ({'; '.join(changed)}). "
-                    f"Resume with the same settings, or start a new run with --run-name NAME"
+                    f"Resume with the same settings{f' ({giving_back})' if giving_back else ''}, or start a new "
+                    f"run with --run-name NAME"
                 )
             if trains:
                 record_resume(store, saved, current, resumed_from)

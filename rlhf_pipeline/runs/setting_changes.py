@@ -7,6 +7,7 @@ returns what may not. Design: docs/branching.md.
 from __future__ import annotations
 
 import dataclasses
+import shlex
 import sys
 from typing import Any
 
@@ -37,6 +38,25 @@ def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> lis
         print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
               file=sys.stderr, flush=True)
     return [line for key, line in changed.items() if key not in allowed]
+
+
+def as_set_value(value: Any) -> str:
+    """``value`` as ``--set`` spells it (``pipeline.parse_value`` reads it back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(as_set_value(v) for v in value)
+    return str(value)
+
+
+def sets_giving_back(saved: dict, refused: list[str]) -> str:
+    """The ``--set`` words that give back the ``saved`` values of the settings ``refused`` names (lines
+    of :func:`settings_changes`): what a start refused for them adds to resume."""
+    flat = flat_settings(saved)
+    keys = [line.split(": was ", 1)[0] for line in refused]
+    return " ".join(f"--set {shlex.quote(f'{key}={as_set_value(flat[key])}')}" for key in keys if key in flat)
 
 
 def may_change_on_resume(key: str, settings: Any, was: Any = None, now: Any = None) -> bool:

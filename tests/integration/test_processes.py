@@ -204,8 +204,14 @@ def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp
 
     prepare_run(build_pipeline(module, make_settings(module, ["warm_start_steps=0"]), paths), paths)
     changed = build_pipeline(module, make_settings(module, ["warm_start_steps=0", "buffer_backend=zarr"]), paths)
-    with pytest.raises(RunError, match="buffer_backend: was None, now 'zarr'"):
+    with pytest.raises(RunError, match="buffer_backend: was None, now 'zarr'") as refused:
         prepare_run(changed, paths)
+    assert "Resume with the same settings, or" in str(refused.value)  # no value of its own to give back
+    # a start without the run's own --set (a `collect` joining it): the refusal gives the words back
+    with pytest.raises(RunError) as refused:
+        prepare_run(build_pipeline(module, make_settings(module, ["temperature=0.5"]), paths), paths)
+    assert ("(temperature: was 1.0, now 0.5; warm_start_steps: was 0, now 200). Resume with the same settings "
+            "(--set temperature=1.0 --set warm_start_steps=0), or start a new run") in str(refused.value)
 
 
 def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_resumes_exactly(tmp_path):
