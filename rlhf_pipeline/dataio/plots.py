@@ -177,6 +177,11 @@ def load_runs(run_dirs: list[str | Path]) -> dict[str, RunMetrics]:
     for run, label in zip(runs, run_labels(runs)):
         metrics = run / "metrics.jsonl" if run.is_dir() else run
         if not metrics.is_file():
+            from rlhf_pipeline.storage.backends import runs_inside
+
+            if runs := runs_inside(str(run)):  # `plot storage`: the runs it holds are what to give
+                raise FileNotFoundError(f"{run} is a directory of runs, not a run: give those to draw, e.g. "
+                                        f"{' '.join(str(run / name) for name in runs[:3])}")
             raise FileNotFoundError(f"{run} has no metrics.jsonl (is it a run directory? the learner writes it)")
         records = read_metrics(metrics) + collector_records(run) + eval_records(run)
         parent = read_parent(run) if run.is_dir() else None

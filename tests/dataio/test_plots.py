@@ -39,6 +39,11 @@ def test_plot_errors_name_what_is_missing(tmp_path, capsys, monkeypatch):
     pytest.importorskip("matplotlib")
     assert main(["plot", str(tmp_path), "--out", str(tmp_path / "charts")]) == 2
     assert "has no metrics.jsonl" in capsys.readouterr().err
+    for name in ("b", "a"):  # `plot storage`, the directory of runs: its runs are named
+        (tmp_path / "home" / name / "buffer").mkdir(parents=True)
+    assert main(["plot", str(tmp_path / "home"), "--out", str(tmp_path / "charts")]) == 2
+    assert (f"{tmp_path / 'home'} is a directory of runs, not a run: give those to draw, e.g. {tmp_path / 'home' / 'a'} "
+            f"{tmp_path / 'home' / 'b'}") in capsys.readouterr().err
     # a run's metrics, read before the extra is asked for: without it, the one line says how to install it
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "charts/reward_mean": 0.5}) + "\n")
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if the extra were not installed
