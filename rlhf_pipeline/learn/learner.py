@@ -351,7 +351,7 @@ class Learner:
         # a sampler that says what its draw lacks (exact.py) has the collectors write it, with no stall rule
         lacking = (lambda: self.sampler.lacking) if hasattr(self.sampler, "lacking") else None
         on_wait = (WaitReport(self._pacing, lambda: next_rows(self._store), self.settings.wait_report_s,
-                              lacking=lacking)
+                              lacking=lacking, why_rows_held_wait=getattr(self.sampler, "why_rows_held_wait", None))
                    if self.data_parallel.is_main else None)
         while self.progress.step < until and not self.data_parallel.any_rank(self.stop_event.is_set()):
             try:
@@ -1047,14 +1047,17 @@ class WaitReport:
 
     ``shard_rows()`` gives the rows each shard has published, as the learner's store last saw them;
     ``lacking()`` what the draw it waits for still lacks, from a sampler that says it
-    (``LearnerIntake.lacking``; None: the collectors go by the stall rule)."""
+    (``LearnerIntake.lacking``; None: the collectors go by the stall rule); ``why_rows_held_wait()`` why
+    rows held past the last draw's do not make it (stale ones passed over), from a sampler that says it."""
 
     def __init__(self, pacing: PacingPublisher, shard_rows: Callable[[], dict[str, int]], after_s: float,
                  say: Callable[[str], None] | None = None,
-                 lacking: Callable[[], tuple[int, int, dict[str, int]]] | None = None) -> None:
+                 lacking: Callable[[], tuple[int, int, dict[str, int]]] | None = None,
+                 why_rows_held_wait: Callable[[], str | None] | None = None) -> None:
         self.pacing = pacing
         self.shard_rows = shard_rows
         self.lacking = lacking
+        self.why_rows_held_wait = why_rows_held_wait or (lambda: None)
         self.after_s = after_s
         self.say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._wait: float | None = None  # waiting_since of the wait being reported
@@ -1080,6 +1083,8 @@ class WaitReport:
         rows = self._rows() or {}
         held = {key: rows.get(key, 0) - intake.consumed.get(key, 0) for key in sorted(set(rows) | set(intake.consumed))}
         shards = ", ".join(f"{key}: {n}" for key, n in held.items()) or "no shard yet"
+        if passed_over := self.why_rows_held_wait():  # e.g. a buffer recorded long before, or a learner far behind
+            shards += f"; {passed_over}"
         total = sum(rows.values()) if rows else None
         if not total:  # nothing written at all: collectors still starting, not (yet) a collector that is gone
             why = ("no collector has written a row yet: they are starting (one with a generation engine of its own, "

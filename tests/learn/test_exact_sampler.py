@@ -159,10 +159,15 @@ def test_a_block_waiting_for_rows_says_what_it_lacks_past_the_stale_ones(tmp_pat
         while sampler.lacking[1] == 0 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sampler.lacking == (6, 4, {"shard-0000": 8})  # the version the block trains with
+        # and what the learner's wait line adds to "the buffer holds 8 past the rows taken in", which
+        # read as rows it could have trained on (a buffer recorded by `collect` alone, then `learn`)
+        assert sampler.why_rows_held_wait() == ("4 of them were sampled more than learner.max_staleness=1 (from "
+                                                "max_lag) versions before version 6, which this draw trains with: "
+                                                "passed over, never trained")
         shards.append(0, 1, version=6)
         drawing.join(60)
         assert drawn[0].dropped_stale == 4 and drawn[0].consumed == {"shard-0000": 12}
-        assert sampler.lacking == (0, 0, {})  # the block is whole: it lacks nothing
+        assert sampler.lacking == (0, 0, {}) and sampler.why_rows_held_wait() is None  # the block is whole
     finally:
         sampler.stop.set()
         drawing.join(60)

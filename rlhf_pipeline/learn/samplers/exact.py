@@ -59,6 +59,7 @@ class ExactUseSampler:
         self.block_draws = uses  # draws that used the current block; == uses: the next draw takes a new one
         # (version the draw trains with, rows it lacks, rows per shard seen): read by the learner while it waits
         self.lacking: tuple[int, int, dict[str, int]] = NOTHING_LACKING
+        self.passed_over = 0  # stale rows the block being waited for passed over: the learner's wait line says so
 
     def draw(self, draw_index: int) -> SampledRows:
         """The next draw's rows. ``draw_index`` is not needed: the state says where the run is."""
@@ -95,6 +96,7 @@ class ExactUseSampler:
                 taken = _even_split(available, need)
                 fresh, stale = self._fresh(taken)
                 skipped += stale
+                self.passed_over = skipped
                 for key, ids in taken.items():  # stale rows are passed over for good
                     self.cursors[key] = int(ids[-1]) + 1
                 for key, ids in fresh.items():
@@ -103,7 +105,7 @@ class ExactUseSampler:
                 if have == self.batch_size:
                     self.block = block
                     self.block_draws = 0
-                    self.lacking = NOTHING_LACKING
+                    self.lacking, self.passed_over = NOTHING_LACKING, 0
                     return skipped
                 continue
             self.lacking = (self.current_version, need - sum(len(ids) for ids in available.values()),
@@ -112,12 +114,22 @@ class ExactUseSampler:
                 raise InterruptedError("sampling stopped")
             if time.monotonic() > deadline:
                 held = sum(len(ids) for ids in available.values())
+                stale = f"; {skipped} more were too stale to train on" if skipped else ""
                 raise DataTimeoutError(
                     f"waited {self.timeout_s:.0f}s for {need} rows not yet trained on in "
-                    f"{self.store.location} (it holds {held} past the rows already used): is a collector "
+                    f"{self.store.location} (it holds {held} past the rows already used{stale}): is a collector "
                     f"running for this run? (raise learner.data_timeout_s)"
                 )
             wait.sleep()
+
+    def why_rows_held_wait(self) -> str | None:
+        """Why rows the buffer holds past the last draw's do not make the block waited for: those passed
+        over as stale, said in the learner's wait line (None: none were)."""
+        if not self.passed_over:
+            return None
+        return (f"{self.passed_over} of them were sampled more than learner.max_staleness={self.max_staleness} (from "
+                f"max_lag) versions before version {self.current_version}, which this draw trains with: passed over, "
+                f"never trained")
 
     def _available(self) -> dict[str, np.ndarray]:
         """Per shard, the global ids past its cursor that it still holds (as of the last refresh)."""
