@@ -88,6 +88,7 @@ def test_repair_names_the_groups_and_the_selection_without_them_that_a_learner_s
     capsys.readouterr()
     assert main(["repair", str(tmp_path / "buffer"), "--quiet", "--vocab-size", "102"]) == 1
     out = capsys.readouterr().out
+    assert "token ids checked against a vocabulary of 102" in out
     assert "NOT RECOVERABLE: group 3: rows 13, 14 hold token ids outside the model's vocabulary of 102 " \
            "(row 13 response_tokens: 1000000): rows cannot be taken out of the middle of a store" in out
     command = out.split("to train on the other rows offline: ")[1].split(", then rlhf-pipeline replay")[0]
@@ -97,6 +98,19 @@ def test_repair_names_the_groups_and_the_selection_without_them_that_a_learner_s
         rows = kept.read(torch.arange(len(kept)), fields=("group_id", "prompt_tokens", "response_tokens"))
     assert len(rows) == 20 and 3 not in rows["group_id"].tolist()
     assert all(int(rows[f].values.max()) < 102 for f in ("prompt_tokens", "response_tokens"))
+
+
+def test_repair_reports_damage_that_keeps_rows_from_being_read_and_notes_the_ids_unchecked(tmp_path, capsys):
+    """A segment file cut short outside this library: repair reports it as not recoverable, as it does
+    without a vocabulary; with one (a run's, or --vocab-size), its check of the ids read the rows and the
+    whole command was one error line instead of the report. Now the report, and a note as inspect's."""
+    _planted(tmp_path / "buffer", 102)
+    cut = tmp_path / "buffer" / "seg-00000000" / "prompt_tokens.values"
+    cut.write_bytes(cut.read_bytes()[:10])
+    assert main(["repair", str(tmp_path / "buffer"), "--quiet", "--vocab-size", "102"]) == 1
+    out = capsys.readouterr().out
+    assert f"NOT RECOVERABLE: {cut} holds 10 bytes" in out, out
+    assert f"note: token ids not checked: {cut} holds 10 bytes" in out, out
 
 
 def test_repair_of_a_run_names_the_branch_from_the_newest_checkpoint_before_the_bad_rows(tmp_path, capsys):
