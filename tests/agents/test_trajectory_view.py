@@ -14,7 +14,6 @@ import subprocess
 from html.parser import HTMLParser
 
 import pytest
-import torch
 from test_storage_bytes import episode_of, multiply, store_episodes
 
 from rlhf_pipeline.agents.tools import ToolBox
