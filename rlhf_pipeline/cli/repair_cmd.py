@@ -81,9 +81,8 @@ def _report_token_ids(reports, path: str, vocab_size: int, source: str, run_dir,
     checkpoints and the collectors count on those numbers) and, once, how the run goes on without them
     (docs/buffer-tools.md#repair)."""
     from rlhf_pipeline.storage.buffers import is_sharded_buffer
-    from rlhf_pipeline.storage.token_ids import find_bad_groups
-
     from rlhf_pipeline.storage.errors import StoreError
+    from rlhf_pipeline.storage.token_ids import find_bad_groups
 
     by_location = {report.location: report for report in reports}
     first_bad: dict[str, int] = {}  # shard key -> first global row holding a bad id
