@@ -136,10 +136,10 @@ def test_rows_too_stale_when_their_block_forms_are_skipped_and_counted(tmp_path)
         versions = reader.read(drawn.positions, fields=("policy_version",))["policy_version"]
         assert drawn.dropped_stale == 4 and versions.eq(5).all()
         assert drawn.consumed == {"shard-0000": 12}  # the skipped rows are behind the cursor for good
-        shards.append(0, 1, version=0)  # only stale rows come: the give-up says so ("holds 0" alone read as none came)
+        shards.append(0, 2, version=0)  # only stale rows come: the give-up says so ("holds 0" alone read as none came)
         sampler.timeout_s = 0.3
         with pytest.raises(DataTimeoutError, match=r"8 rows not yet trained on .* \(it holds 0 past the rows already "
-                                                   r"used; 4 more were too stale to train on\)"):
+                                                   r"used; 8 more were too stale to train on\)"):
             sampler.draw(1)
     finally:
         reader.close()
