@@ -57,6 +57,22 @@ def test_group_size_advice_in_a_run_does_not_suggest_set(tiny_run, tmp_path, cap
     assert "--set group_size=3" in capsys.readouterr().err
 
 
+def test_an_import_into_a_run_refuses_a_pipeline_other_than_the_runs_copy(tiny_run, tmp_path, capsys):
+    """--pipeline replaced the run's copy of its pipeline file: another pipeline's tokenizer and write path
+    shaped rows its learner trains on beside its own (tool_use.py's into a default.py run got as far as
+    its advantages). The run's own file is still taken; nothing is written for another."""
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = sorted(p.name for p in (run / "buffer").iterdir())
+    source = write_jsonl(tmp_path / "rows.jsonl", toy_rows(2))
+    other = REPO / "pipelines" / "tool_use.py"
+    assert main(["import", str(source), str(run), "--quiet", "--pipeline", str(other)]) == 2
+    assert (f"--pipeline {other} differs from the copy run {run} was started with ({run / 'pipeline.py'})"
+            in capsys.readouterr().err)
+    assert sorted(p.name for p in (run / "buffer").iterdir()) == before
+    assert main(["import", str(source), str(run), "--quiet", "--pipeline", str(run / "pipeline.py")]) == 0
+
+
 # ====================================================================== records the first one does not speak for
 def _set_small():
     return [a for s in SMALL for a in ("--set", s)]
