@@ -163,14 +163,6 @@ def _import_into(args: argparse.Namespace, run, options) -> int:
             if args.overrides:
                 raise CommandRefused(f"{args.buffer} belongs to run {run.location}, whose settings.json sets the "
                                      f"pipeline's settings; drop --set")
-            from rlhf_pipeline.runs.pipeline_copy import PIPELINE_KEY, differs_from_copy
-
-            if args.pipeline is not None and differs_from_copy(Path(args.pipeline), run.store):
-                # its write path would shape rows the run's learner trains on beside the run's own
-                raise CommandRefused(f"--pipeline {args.pipeline} differs from the copy run {run.location} was started "
-                                     f"with ({run.store.describe(PIPELINE_KEY)}), whose write path its rows go "
-                                     f"through: drop --pipeline (it is for runs that keep no copy), or import into a "
-                                     f"new buffer")
             pipeline = load_run_pipeline(run, args.pipeline, device=args.device)
         else:
             if args.pipeline is None:

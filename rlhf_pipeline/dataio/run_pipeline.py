@@ -46,9 +46,11 @@ def find_run(location: str | Path) -> RunPaths | None:
 def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path | None = None, *,
                       device: str | None = None) -> Pipeline:
     """The run's pipeline built with the run's settings (``device`` may differ: it only says where
-    models run). ``pipeline_path`` replaces the run's copy of its pipeline file. ``run_root``: a
-    directory, a run's URL or its :class:`RunPaths`."""
-    from rlhf_pipeline.runs.pipeline_copy import load_copy
+    models run). ``pipeline_path`` stands for the run's copy of its pipeline file where the run keeps
+    none (runs started before copies were kept), and must be that copy where it keeps one: another
+    file's model, tokenizer and write path would export the run's weights under another tokenizer, or
+    shape rows the run trains on. ``run_root``: a directory, a run's URL or its :class:`RunPaths`."""
+    from rlhf_pipeline.runs.pipeline_copy import PIPELINE_KEY, differs_from_copy, load_copy
     from rlhf_pipeline.runs.processes import build_pipeline
 
     paths = run_root if isinstance(run_root, RunPaths) else RunPaths.at(
@@ -57,6 +59,10 @@ def load_run_pipeline(run_root: str | Path | RunPaths, pipeline_path: str | Path
     saved = saved_settings(store)
     if saved is None:
         raise PipelineError(f"{paths.location} is not a run directory: it has no settings.json")
+    if pipeline_path is not None and differs_from_copy(Path(pipeline_path), store):
+        raise PipelineError(f"--pipeline {pipeline_path} differs from the copy run {paths.location} was started with "
+                            f"({store.describe(PIPELINE_KEY)}), which rebuilds its model, tokenizer and write path: "
+                            f"drop --pipeline (it stands for the copy of a run that keeps none)")
     try:
         module = load_pipeline_module(pipeline_path) if pipeline_path is not None else load_copy(
             paths, missing=" (runs started before this was recorded); pass --pipeline PIPELINE.py, the file the run "

@@ -67,7 +67,8 @@ def test_an_import_into_a_run_refuses_a_pipeline_other_than_the_runs_copy(tiny_r
     source = write_jsonl(tmp_path / "rows.jsonl", toy_rows(2))
     other = REPO / "pipelines" / "tool_use.py"
     assert main(["import", str(source), str(run), "--quiet", "--pipeline", str(other)]) == 2
-    assert (f"--pipeline {other} differs from the copy run {run} was started with ({run / 'pipeline.py'})"
+    assert (f"--pipeline {other} differs from the copy run {run} was started with ({run / 'pipeline.py'}), "
+            "which rebuilds its model, tokenizer and write path"
             in capsys.readouterr().err)
     assert sorted(p.name for p in (run / "buffer").iterdir()) == before
     assert main(["import", str(source), str(run), "--quiet", "--pipeline", str(run / "pipeline.py")]) == 0

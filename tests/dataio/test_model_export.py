@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from dataio_setup import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_pipeline.cli.main import main
@@ -99,6 +100,11 @@ def test_export_model_default_version_and_refusals(tiny_run, tmp_path, capsys):
     assert main(["export-model", str(run), str(tmp_path / "m")]) == 2
     assert "pass --pipeline PIPELINE.py" in capsys.readouterr().err
     assert main(["export-model", str(run), str(tmp_path / "m"), "--pipeline", str(tiny_run / "pipeline.py")]) == 0
+    # a run that keeps its copy: another file exported its weights under that file's tokenizer, with a note
+    other = REPO / "pipelines" / "examples" / "reverse_words.py"
+    assert main(["export-model", str(tiny_run), str(tmp_path / "other"), "--pipeline", str(other)]) == 2
+    assert f"--pipeline {other} differs from the copy run {tiny_run} was started with" in capsys.readouterr().err
+    assert not (tmp_path / "other").exists()
 
 
 class RunsCode:
