@@ -385,6 +385,12 @@ def main_message(new: str, lineage: dict[str, Any]) -> None:
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
     print(f"[branch] {branch_message(new, lineage)}", file=sys.stderr)
+    # with nothing changed a branch is expected to train what its parent did: with several collectors, it may not
+    if len(lineage.get("buffer_rows") or {}) > 1 and lineage.get("replay_source") is None \
+            and not lineage["settings_changed"]:
+        print(f"[branch] note: the parent's {len(lineage['buffer_rows'])} collectors each continue where they stood, "
+              f"but online the steps after {lineage['step']} may differ from the parent's: which rows a step takes "
+              f"from each shard depends on timing (docs/branching.md#continuing-online)", file=sys.stderr)
 
 
 def refuse_evicting_parent(root: str | Path) -> None:

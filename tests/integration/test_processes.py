@@ -214,7 +214,7 @@ def test_settings_added_to_a_pipeline_since_a_run_started_keep_their_default(tmp
             "(--set temperature=1.0 --set warm_start_steps=0), or start a new run") in str(refused.value)
 
 
-def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_resumes_exactly(tmp_path):
+def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_resumes_exactly(tmp_path, capfd):
     """``run --collectors 2`` (a sharded Zarr buffer): collector k writes buffer/shard-k, the learner
     samples both. kill -9 of collector 1 stops the run; the same command resumes it, no round lost or
     doubled, and ends cleanly.
@@ -274,6 +274,11 @@ def test_two_collectors_feed_one_learner_through_buffer_shards_and_one_killed_re
     assert int(rows["policy_version"].max()) >= 1  # collectors picked up published weights
     # and it trained on rows of both collectors
     assert max(r["charts/collectors_in_batch"] for r in records) == 2
+    # a branch of it says that online it may not train what the run trained (which rows a step takes from
+    # each shard depends on timing; a second run of this one differs from the first too)
+    assert main(["branch", str(run), "--from-step", str(stopped_at + 3), "twin"]) == 0
+    assert ("[branch] note: the parent's 2 collectors each continue where they stood, but online the steps after "
+            f"{stopped_at + 3} may differ from the parent's") in capfd.readouterr().err
 
 
 def test_run_with_two_learner_ranks_writes_one_set_of_files(tmp_path):
