@@ -65,6 +65,7 @@ class MetricsWriter:
         if store is None:
             self.jsonl_path = Path(jsonl_path)
             self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            drop_torn_line(self.jsonl_path)
             self._file = open(self.jsonl_path, "a", encoding="utf-8")
         else:
             self._parts = _Parts(store, str(jsonl_path))
@@ -159,6 +160,28 @@ class _Parts:
         self.dirty = False
         if len(self.lines) >= PART_LINES:
             self.number, self.lines = self.number + 1, []
+
+
+def drop_torn_line(path: Path) -> None:
+    """Cuts a last line that has no newline: what a process killed while writing it leaves. Appended
+    to, it joined the next record into one unreadable line, losing that record as well (a collector's
+    log, which no resume truncates as the learner's is)."""
+    try:
+        with open(path, "rb+") as log:
+            end = log.seek(0, 2)
+            start = end
+            while start > 0:  # back to the last newline, a block at a time
+                step = min(start, 1 << 16)
+                log.seek(start - step)
+                block = log.read(step)
+                if (at := block.rfind(b"\n")) >= 0:
+                    start = start - step + at + 1
+                    break
+                start -= step
+            if start < end:
+                log.truncate(start)
+    except FileNotFoundError:
+        return
 
 
 def truncate_metrics(jsonl_path: str | Path, after_step: int, *, store: RunStore | None = None) -> None:

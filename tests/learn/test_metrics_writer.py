@@ -102,6 +102,32 @@ def test_a_resume_drops_a_torn_tail_whatever_its_bytes(tmp_path):
     assert log.read_bytes().count(b"\n") == 2
 
 
+def test_a_log_appended_to_after_a_kill_mid_line_keeps_every_whole_record(tmp_path):
+    """A collector's log is appended to by its next start, which truncates nothing (the learner's
+    resume cuts its own log to the checkpoint). The next record joined the cut line, `{"step": 3{"step": 4,
+    ...}`, and was lost with it; the cut line is dropped instead, whatever its bytes, even with no line
+    before it."""
+    log = tmp_path / "collector" / "metrics-0000.jsonl"
+    writer = MetricsWriter(log)
+    for step in (1, 2):
+        writer.log(step, {"rows": 64.0})
+    writer.close()
+    for torn, kept in ((b'{"step": 3, "ro\xff', [1, 2, 4]), (b'{"step": 5' + b"\0" * 70_000, [1, 2, 4, 6])):
+        with open(log, "ab") as f:
+            f.write(torn)
+        writer = MetricsWriter(log)  # the collector started again
+        writer.log(kept[-1], {"rows": 64.0})
+        writer.close()
+        assert [r["step"] for r in read_metrics(log)] == kept
+        assert log.read_bytes().count(b"\n") == len(kept)
+    alone = tmp_path / "alone.jsonl"
+    alone.write_bytes(b'{"step": 1, "ro')
+    writer = MetricsWriter(alone)
+    writer.log(1, {"rows": 64.0})
+    writer.close()
+    assert [r["step"] for r in read_metrics(alone)] == [1]
+
+
 def test_a_full_disk_under_the_metrics_log_is_the_os_error_naming_it(small_disk):
     """A write to the open log names no file; the command line names the path in one line (cli/run_cmd.py)."""
     import errno
