@@ -244,7 +244,28 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+    _replace_earlier_plot(out, written, run_dirs)
     return written
+
+
+PLOT_RECORD = "plot.json"
+"""What the last ``plot`` into a directory drew there: its runs and its charts."""
+
+
+def _replace_earlier_plot(out: Path, written: list[Path], run_dirs: list[str | Path]) -> None:
+    """Removes the charts an earlier plot into ``out`` wrote and this one did not (an evaluation chart of
+    runs not drawn now read as these runs'), by its record only: no other file of ``out`` is touched."""
+    record = out / PLOT_RECORD
+    try:
+        earlier = json.loads(record.read_text(encoding="utf-8"))["charts"]
+    except (FileNotFoundError, ValueError, KeyError, TypeError):
+        earlier = []
+    drawn = sorted(path.name for path in written)
+    for name in earlier if isinstance(earlier, list) else []:
+        if isinstance(name, str) and name not in drawn and name == Path(name).name and name.endswith(".png"):
+            (out / name).unlink(missing_ok=True)
+    record.write_text(json.dumps({"runs": [str(run) for run in run_dirs], "charts": drawn}, indent=1) + "\n",
+                      encoding="utf-8")
 
 
 def charts_to_draw(data: dict[str, RunMetrics]) -> list[Chart]:

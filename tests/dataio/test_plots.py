@@ -168,6 +168,17 @@ def test_a_runs_held_out_scores_are_charted_beside_its_training_reward_on_the_sa
     run = tmp_path / "r"
     assert main(["plot", str(run), "--out", str(tmp_path / "charts")]) == 0
     assert (tmp_path / "charts" / "eval_held_out-k2-t1-n8.png").is_file()
+    # a run without evaluations plotted into the same directory: the earlier plot's evaluation chart read
+    # as this run's, and stayed; it goes now, by the record the plot keeps, and nothing else of the directory
+    (tmp_path / "charts" / "mine.png").write_bytes(b"a file of the user's own")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in read_metrics(run / "metrics.jsonl")))
+    assert main(["plot", str(plain), "--out", str(tmp_path / "charts")]) == 0
+    assert sorted(p.name for p in (tmp_path / "charts").iterdir()) == sorted(
+        [f"{name}.png" for name in CHARTS] + ["mine.png", "plot.json"])
+    assert json.loads((tmp_path / "charts" / "plot.json").read_text())["runs"] == [str(plain)]
+    assert main(["plot", str(run), "--out", str(tmp_path / "charts")]) == 0
 
     data = load_runs([run])
     (chart,) = [c for c in charts_to_draw(data) if c.name.startswith("eval_")]
