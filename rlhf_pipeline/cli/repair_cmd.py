@@ -88,7 +88,7 @@ def _report_token_ids(reports, path: str, vocab_size: int, source: str, run_dir,
     first_bad: dict[str, int] = {}  # shard key -> first global row holding a bad id
     group_ids: list[int] = []
     try:
-        found = list(find_bad_groups(path, vocab_size, progress))
+        found = find_bad_groups(path, vocab_size, progress)
     except StoreError as exc:  # damage reported above that keeps rows from being read, as inspect --verify says
         for report in reports:
             report.notes.append(f"token ids not checked: {exc}")

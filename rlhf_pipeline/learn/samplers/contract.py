@@ -62,7 +62,10 @@ class BatchSampler(Protocol):
     """What the learner asks of a sampler (docs/learner.md#the-sampler-contract): ``draw(d)``,
     deterministic given the seed, ``d``, the state and the rows published; ``current_version``, set by
     the learner before each draw; ``state_dict()`` / ``load_state_dict()``, whatever else a resumed run
-    needs (each ``SampledRows`` carries it as of right after its draw: ``sampler_state``)."""
+    needs (each ``SampledRows`` carries it as of right after its draw: ``sampler_state``). A sampler that
+    waits for rows of its own choosing may also say what its draw lacks (``lacking``, published to the
+    collectors) and why rows held do not make it (``why_rows_held_wait()``, in the learner's wait line),
+    as ``exact.py`` does; the learner reads them where they are."""
 
     current_version: int
 
