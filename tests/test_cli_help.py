@@ -23,6 +23,14 @@ def test_version_is_the_installed_packages(capsys):
     assert capsys.readouterr().out == f"rlhf-pipeline {version('rlhf-pipeline')}\n"
 
 
+def test_the_bare_command_lists_every_command_and_fails(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2  # no command given is a usage error, as argparse's own
+    said = capsys.readouterr().err
+    assert all(re.search(rf"^    {name}\b", said, re.M) for name in build_parser().commands), said
+
+
 def test_the_command_list_names_every_benchmark_and_export_format():
     lines = " ".join(build_parser().format_help().split())  # argparse wraps the one-line helps
     bench = lines.split(" bench ", 1)[1].split(" import ", 1)[0]

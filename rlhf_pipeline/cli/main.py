@@ -67,6 +67,9 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
     OUT``: plain argparse takes ``OUT`` for an unrecognized argument once an option splits the positionals)."""
     parser = build_parser()
     command = next(iter(argv), None)
+    if command is None:  # the bare command: its commands, as `--help` lists them, not argparse's one-line error
+        parser.print_help(sys.stderr)
+        raise SystemExit(2)
     if command not in parser.commands:
         return parser.parse_args(argv)  # --help, --version, a typo: argparse's own answers
     try:
