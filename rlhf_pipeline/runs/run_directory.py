@@ -38,6 +38,7 @@ class RunError(RuntimeError):
 
 
 HOLDER_FILE = "run.lock"
+PREPARE_LOCK_FILE = ".prepare.lock"  # run_lock's
 ENDING_HOLDER_WAIT_S = 30.0  # for the lock of a holder that has ended (_lock_or_wait_for_an_ending_holder)
 
 
@@ -73,9 +74,11 @@ class RunHolder(_Holder):
             return
         fd, self.fd = self.fd, -1
         try:
-            if self._created_root and [p.name for p in self._root.iterdir()] == [HOLDER_FILE]:
-                # a command refused for a bad setting leaves no directory behind, as before the lock
-                (self._root / HOLDER_FILE).unlink()
+            if self._created_root and {p.name for p in self._root.iterdir()} <= {HOLDER_FILE, PREPARE_LOCK_FILE}:
+                # a command refused for a bad setting or input (replay's --init-from, checked while the run
+                # is prepared) leaves no directory behind, as before the locks
+                for name in (PREPARE_LOCK_FILE, HOLDER_FILE):
+                    (self._root / name).unlink(missing_ok=True)
                 self._root.rmdir()
         finally:
             os.close(fd)  # closing the last descriptor of the open file unlocks it
@@ -199,7 +202,7 @@ def run_lock(paths: RunPaths):
     """Processes preparing the run on this machine, one at a time (a file lock; at a URL, in this
     machine's cache: starts on several machines meet only in create-only writes)."""
     paths.root.mkdir(parents=True, exist_ok=True)
-    with open(paths.root / ".prepare.lock", "w") as f:
+    with open(paths.root / PREPARE_LOCK_FILE, "w") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # blocking: the other side is only preparing
         try:
             yield

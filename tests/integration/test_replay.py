@@ -192,10 +192,12 @@ def test_init_from_a_run_or_a_save_pretrained_directory(home, source, reference_
     wider.save_pretrained(tmp_path / "wider")
     with pytest.raises(ReplayError, match=r"do not fit the pipeline's model .*shape mismatches.*--set hidden_size"):
         replay(home, "from-wider", source, steps=1, init_from=str(tmp_path / "wider"))
-    # a replay that could not start leaves nothing behind: the fixed command just runs
-    assert latest_version(home / "from-wider") is None and not (home / "from-wider" / "settings.json").exists()
+    # a replay that could not start leaves nothing behind, not even its locks: the fixed command just runs,
+    # and no directory of locks is listed among the runs
+    assert not (home / "from-wider").exists()
     with pytest.raises(ReplayError, match="neither a run directory .* nor a model directory"):
         replay(home, "from-nothing", source, steps=1, init_from=str(tmp_path))
+    assert not (home / "from-nothing").exists()
 
 
 def test_zarr_zip_url_and_sharded_sources(home, source, tmp_path):
