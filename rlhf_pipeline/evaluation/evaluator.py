@@ -48,7 +48,7 @@ def set_store_location(run: str | Path, name: str) -> str | Path:
 def evaluation_name(eval_set: EvalSet, settings: EvalSettings) -> str:
     """The set's name, plus how it is sampled unless greedily on every prompt (``held_out-k4-t1``):
     the name of its store and of its metrics."""
-    return eval_set.name + settings.suffix
+    return eval_set.name + settings.suffix(len(eval_set.items(None)))
 
 
 def eval_metrics_path(run_root: str | Path) -> Path:

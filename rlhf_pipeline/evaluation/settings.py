@@ -36,13 +36,14 @@ class EvalSettings:
                              f"gives one completion per prompt: add --set eval.temperature=1.0, or set "
                              f"eval.samples=1")
 
-    @property
-    def suffix(self) -> str:
-        """What an evaluation's name adds to its set's (``held_out-k4-t1``): evaluations sampled
-        otherwise than greedy on every prompt are other evaluations, kept in a store of their own."""
-        if self.samples == 1 and self.temperature == 0 and self.max_prompts is None:
+    def suffix(self, set_size: int) -> str:
+        """What an evaluation's name adds to the name of its set of ``set_size`` prompts (``held_out-k4-t1``):
+        evaluations sampled otherwise than greedy on every prompt are other evaluations, kept in a store of
+        their own. A ``max_prompts`` the set does not exceed scores every prompt, so it names nothing."""
+        max_prompts = self.max_prompts if self.max_prompts is not None and self.max_prompts < set_size else None
+        if self.samples == 1 and self.temperature == 0 and max_prompts is None:
             return ""
-        return f"-k{self.samples}-t{self.temperature:g}" + (f"-n{self.max_prompts}" if self.max_prompts else "")
+        return f"-k{self.samples}-t{self.temperature:g}" + (f"-n{max_prompts}" if max_prompts else "")
 
     @property
     def enabled(self) -> bool:

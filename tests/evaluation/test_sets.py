@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from rlhf_pipeline.evaluation.evaluator import evaluation_name
 from rlhf_pipeline.evaluation.sampling import eval_sampling, eval_seed
 from rlhf_pipeline.evaluation.scores import pass_at_k, summarize
 from rlhf_pipeline.evaluation.sets import EvalSet, check_sets
@@ -88,7 +89,13 @@ def test_tool_use_pipeline_holds_its_eval_tasks_out_of_training(tmp_path):
     # sampled as training samples (greedy answers were right already: docs/evaluation.md#what-it-shows),
     # with samples enough for pass@k, in a store of its own; --set eval.temperature=0 eval.samples=1 is greedy
     assert settings.eval.temperature == settings.temperature and settings.eval.samples == 4
-    assert make_settings(module, ["eval.temperature=0", "eval.samples=1"]).eval.suffix == ""
+    greedy = make_settings(module, ["eval.temperature=0", "eval.samples=1"]).eval
+    assert evaluation_name(held_out, greedy) == "held_out"
+    # a cap the set does not exceed scores every task: the same evaluation, under the same name
+    every_task = make_settings(module, ["eval.temperature=0", "eval.samples=1", "eval.max_prompts=1000"]).eval
+    assert evaluation_name(held_out, every_task) == "held_out"
+    fewer = make_settings(module, ["eval.temperature=0", "eval.samples=1", "eval.max_prompts=63"]).eval
+    assert evaluation_name(held_out, fewer) == "held_out-k1-t0-n63"
 
 
 def test_an_eval_set_is_refused_naming_what_it_lacks():
