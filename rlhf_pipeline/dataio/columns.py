@@ -4,7 +4,7 @@ Why one file: the column mapping of ``import`` (which source column holds what) 
 into stored columns are one set of rules per row layout, checked against each other.
 
 Two row layouts, told apart by the completion column: one row per completion, or one row per
-prompt with a list of completions (its group). :func:`resolve_columns` picks the columns from the
+prompt with a list of completions (its group); a chat's answer may be the assistant's message. :func:`resolve_columns` picks the columns from the
 first record and every record must carry the same ones (:func:`check_columns`); :func:`normalize`
 turns one chunk into :class:`ImportRows`, raising a ``SourceError`` naming the file, row and
 column of the first bad value. Columns: docs/datasets.md; design: docs/architecture.md#rows-in-and-out.
@@ -85,6 +85,12 @@ class ResolvedColumns:
     options: ColumnMap
     first_columns: frozenset[str]  # the first record's (top-level) columns
     first_record: str  # where the first record is, for errors
+    # the column of the prompt's chat messages: `messages`, or a `prompt` column holding messages
+    messages_column: str | None = None
+    # where a completion's text is when it is a chat message: "message" (the completion column holds one
+    # assistant message), "last message" (the last of the prompt's messages: the conversation ends with
+    # the answer), None (text or token ids)
+    answer_message: str | None = None
 
     @property
     def given_fields(self) -> tuple[str, ...]:
@@ -109,6 +115,8 @@ class ResolvedColumns:
             slot = "messages" if "messages" in self.slots else "prompt"
         if slot == "completion_ids" and slot not in self.slots:
             slot = "completion"
+        if slot == "completion" and self.answer_message == "last message":
+            return self.messages_column or name
         return self.slots.get(slot, name) if slot else name
 
     def describe(self, chat_trajectories: bool = False) -> str:
@@ -117,6 +125,12 @@ class ResolvedColumns:
         if chat_trajectories:
             return "whole trajectories as chat messages (export --format chat): one row per model turn, as stored"
         parts = [f"{slot}={col!r}" for slot, col in self.slots.items()]
+        if self.messages_column is not None and "messages" not in self.slots:
+            parts[list(self.slots).index("prompt")] = f"messages={self.messages_column!r}"
+        if self.answer_message == "last message":
+            parts.append(f"completion=the last message of {self.messages_column!r}")
+        elif self.answer_message == "message":
+            parts[list(self.slots).index("completion")] = f"completion=the message of {self.slots['completion']!r}"
         parts += [f"{f}={col!r}" for f, col in self.passthrough.items()]
         layout = "one row per prompt (a list of completions)" if self.per_prompt else "one row per completion"
         return f"{layout}; columns: {', '.join(parts)}"
@@ -139,18 +153,36 @@ def resolve_columns(record: Mapping[str, Any], options: ColumnMap, where: str) -
     if not {"prompt", "messages", "prompt_ids"} & set(slots):
         raise SourceError(f"{where}: no prompt column; name one with --prompt (text), --messages (chat) or "
                           f"--prompt-ids (token ids). The record has {sorted(record)}")
+    messages_column = slots.get("messages")
+    if messages_column is None and "prompt" in slots and _is_chat(lookup(record, slots["prompt"])):
+        messages_column = slots["prompt"]  # TRL's conversational rows: the prompt's messages
+    answer_message = None
     if not {"completion", "completion_ids"} & set(slots):
-        raise SourceError(f"{where}: no completion column; name one with --completion (text) or "
-                          f"--completion-ids (token ids). The record has {sorted(record)}")
+        conversation = lookup(record, messages_column) if messages_column is not None else None
+        if not (_is_chat(conversation) and conversation[-1]["role"] == "assistant"):
+            raise SourceError(f"{where}: no completion column; name one with --completion (text) or "
+                              f"--completion-ids (token ids), or end each record's messages with the assistant's "
+                              f"answer. The record has {sorted(record)}")
+        answer_message = "last message"
+    elif "completion_ids" not in slots and _is_chat(lookup(record, slots["completion"])):
+        answer_message = "message"
     if "reward" not in slots:
         raise SourceError(f"{where}: no reward column; name it with --reward. The record has {sorted(record)}")
-    completion = lookup(record, slots.get("completion_ids", slots.get("completion")))
     if "completion_ids" in slots:
+        completion = lookup(record, slots["completion_ids"])
         per_prompt = isinstance(completion, list) and bool(completion) and isinstance(completion[0], list)
-    else:
-        per_prompt = isinstance(completion, list)
+    else:  # an answer given as a message is one completion per row
+        per_prompt = answer_message is None and isinstance(lookup(record, slots["completion"]), list)
     group_ids_given = "group" in slots and isinstance(lookup(record, slots["group"]), int)
-    return ResolvedColumns(slots, passthrough, per_prompt, group_ids_given, options, frozenset(record), where)
+    return ResolvedColumns(slots, passthrough, per_prompt, group_ids_given, options, frozenset(record), where,
+                           messages_column, answer_message)
+
+
+def _is_chat(value: Any) -> bool:
+    """``value`` is a non-empty list of chat messages (``{"role": ..., "content": ...}``), as a record's
+    first value is told apart from text, or from a list of completions."""
+    return (isinstance(value, list) and bool(value)
+            and all(isinstance(m, dict) and "role" in m and "content" in m for m in value))
 
 
 def _choose(present: Callable[[str], bool], options: ColumnMap) -> tuple[dict[str, str], dict[str, str]]:
@@ -326,14 +358,22 @@ def _prompts(chunk, resolved, tokenizer, errors, source_row) -> tuple[RaggedTens
     if "prompt_ids" in slots:
         ids = _ragged(chunk, slots["prompt_ids"], chunk.values, errors, torch.int32, flat_ok=True, expanded=False)
         _check_ids(ids, slots["prompt_ids"], errors, tokenizer, "prompt")
-    if "messages" in slots:
-        column = slots["messages"]
+    if resolved.messages_column is not None:
+        column = resolved.messages_column
         records = []
         for i, messages in enumerate(chunk.values(column)):
             if not isinstance(messages, list) or not messages or not all(
                     isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                     for m in messages):
                 errors.fail(i, column, "expected a non-empty list of {role, content} messages")
+            if resolved.answer_message == "last message":  # the answer is the completion, the rest the prompt
+                if messages[-1]["role"] != "assistant":
+                    errors.fail(i, column, f"expected the assistant's answer as the last message (it is the "
+                                           f"completion, as in {resolved.first_record}), got a {messages[-1]['role']!r} "
+                                           f"message")
+                if len(messages) == 1:
+                    errors.fail(i, column, "the assistant's answer is the only message: no prompt comes before it")
+                messages = messages[:-1]
             for m in messages:
                 _check_text(m["role"], i, column, errors)
                 _check_text(m["content"], i, column, errors)
@@ -381,7 +421,9 @@ def _prompts(chunk, resolved, tokenizer, errors, source_row) -> tuple[RaggedTens
 def _completions(chunk, resolved, tokenizer, errors, per_completion) -> tuple[RaggedTensor, list[str], np.ndarray]:
     slots = resolved.slots
     texts: list[str] | None = None
-    if "completion" in slots:
+    if resolved.answer_message is not None:
+        texts = _answers(chunk, resolved, errors)
+    elif "completion" in slots:
         texts = _strings(per_completion(slots["completion"]), slots["completion"], errors, "completion", expanded=True)
     eos = getattr(tokenizer, "eos_token_id", None)
     if "completion_ids" in slots:
@@ -418,6 +460,23 @@ def _completions(chunk, resolved, tokenizer, errors, per_completion) -> tuple[Ra
                                                 "an empty text has no EOS either)", expanded=True)
     ids = RaggedTensor.from_sequences(sequences, dtype=torch.int32)
     return ids, texts, np.full(len(sequences), append, dtype=bool)
+
+
+def _answers(chunk, resolved, errors) -> list[str]:
+    """The completions given as the assistant's message: the last of the prompt's messages (checked with
+    the prompt), or a completion column's one message."""
+    if resolved.answer_message == "last message":
+        return [messages[-1]["content"] for messages in chunk.values(resolved.messages_column)]
+    column = resolved.slots["completion"]
+    texts = []
+    for i, value in enumerate(chunk.values(column)):
+        if not (_is_chat(value) and len(value) == 1 and value[0]["role"] == "assistant"
+                and isinstance(value[0]["content"], str)):
+            errors.fail(i, column, f"expected the completion as one assistant message, as in {resolved.first_record} "
+                                   f"([{{\"role\": \"assistant\", \"content\": \"...\"}}]), got {_short(repr(value))}")
+        _check_text(value[0]["content"], i, column, errors)
+        texts.append(value[0]["content"])
+    return texts
 
 
 # ====================================================================== groups
@@ -613,7 +672,7 @@ def chat_template_warning(resolved: ResolvedColumns, tokenizer: Any) -> str | No
     through the template, so such rows train (and score) the model on prompts it never sees. Not
     when the prompt's token ids are given too (an export of a buffer, logged traffic): the ids are
     what is stored and trained, and the text only has to match them."""
-    if "prompt" not in resolved.slots or "prompt_ids" in resolved.slots:
+    if "prompt" not in resolved.slots or "prompt_ids" in resolved.slots or resolved.messages_column is not None:
         return None
     if not getattr(tokenizer, "chat_template", None):
         return None

@@ -388,6 +388,57 @@ def test_plain_prompt_text_for_a_chat_template_pipeline_is_warned_about(pipeline
     assert not [line for line in logged if "warning" in line]
 
 
+def _answer_last(records):
+    """The rows as conversations ending with the assistant's answer (the SFT layout)."""
+    return [{"messages": [*r["messages"], {"role": "assistant", "content": r["completion"]}],
+             **{k: v for k, v in r.items() if k not in ("messages", "completion")}} for r in records]
+
+
+def _conversational(records):
+    """The rows as TRL's conversational prompt-completion: a prompt and a completion of messages."""
+    return [{"prompt": r["messages"], "completion": [{"role": "assistant", "content": r["completion"]}],
+             **{k: v for k, v in r.items() if k not in ("messages", "completion")}} for r in records]
+
+
+@pytest.mark.parametrize("layout", [_answer_last, _conversational])
+def test_an_answer_given_as_the_assistants_message_imports_as_the_same_completion(pipeline, tmp_path, layout):
+    plain = toy_records(3)
+    import_source(write_jsonl(tmp_path / "plain.jsonl", plain), tmp_path / "plain", pipeline, options=QUIET,
+                  log=quiet)
+    logged: list[str] = []
+    result = import_source(write_jsonl(tmp_path / "chat.jsonl", layout(plain)), tmp_path / "chat", pipeline,
+                           options=QUIET, log=logged.append)
+    assert (result.completions, result.groups) == (12, 3)
+    assert not [line for line in logged if "warning" in line]  # a prompt of messages is rendered, not plain text
+    assert "completion=the " in logged[0] and "message of" in logged[0]
+    assert rows_of(tmp_path / "chat").equal(rows_of(tmp_path / "plain"))  # the prompt rendered without the answer
+
+
+@pytest.mark.parametrize("layout, edit, message", [
+    (_answer_last, {"messages": [{"role": "user", "content": "1+1="}]},
+     r"chat.jsonl line 3, column 'messages': expected the assistant's answer as the last message .* got a 'user'"),
+    (_answer_last, {"messages": [{"role": "assistant", "content": "2"}]},
+     r"chat.jsonl line 3, column 'messages': the assistant's answer is the only message"),
+    (_conversational, {"completion": [{"role": "assistant", "content": "2"}, {"role": "user", "content": "?"}]},
+     r"chat.jsonl line 3, column 'completion': expected the completion as one assistant message"),
+    (_conversational, {"completion": "2"},
+     r"chat.jsonl line 3, column 'completion': expected the completion as one assistant message"),
+])
+def test_an_answer_message_missing_from_a_later_record_is_refused_naming_it(pipeline, tmp_path, layout, edit, message):
+    records = layout(toy_records(2))
+    records[2].update(edit)
+    with pytest.raises(SourceError, match=message):
+        import_source(write_jsonl(tmp_path / "chat.jsonl", records), tmp_path / "buf", pipeline, options=QUIET,
+                      log=quiet)
+    assert not (tmp_path / "buf").exists()
+    # a conversation that does not end with an answer, and no completion column: the options and the layout
+    asked = [{"messages": r["messages"], "reward": r["reward"]} for r in toy_records(1)]
+    with pytest.raises(SourceError, match=r"no completion column; name one with --completion .* or end each "
+                                          r"record's messages with the assistant's answer"):
+        import_source(write_jsonl(tmp_path / "asked.jsonl", asked), tmp_path / "buf", pipeline, options=QUIET,
+                      log=quiet)
+
+
 def test_a_stop_requested_before_the_write_pass_leaves_nothing_and_the_same_call_imports_all(pipeline, tmp_path):
     source = write_jsonl(tmp_path / "s.jsonl", toy_records(6))
     stop = threading.Event()
