@@ -146,8 +146,9 @@ class Pipeline:
             raise PipelineError(
                 f"the initial policy the pipeline's make_policy() built is not finite ({found!r} holds nan or "
                 f"inf): nothing was published or trained. A warm start with too high a learning rate does "
-                f"this (pipelines/default.py: warm_start_lr). Fix make_policy or its settings and start again (with "
-                f"a setting changed, under a new --run-name: this start recorded its settings)")
+                f"this (pipelines/default.py: warm_start_lr). Fix make_policy or its settings and start again: a run "
+                f"that holds nothing built yet keeps no settings of this start, so the same --run-name takes the "
+                f"corrected ones")
         return model
 
     def make_collector(self, model: Any, store: Any, collector_index: int = 0) -> CollectorLike:

@@ -315,7 +315,11 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> Any:
     with run_lock(paths):
         if latest_version(paths.store) is None:
             print(f"[run] building the initial policy in {paths.location}", file=sys.stderr, flush=True)
-            model = pipeline.initial_policy()
+            try:
+                model = pipeline.initial_policy()
+            except Exception:
+                _forget_settings_of_an_empty_run(paths)
+                raise
             try:
                 publish_weights(paths.store, model.state_dict(), 0)
                 return model
@@ -325,6 +329,25 @@ def publish_initial_policy(pipeline: Pipeline, paths: RunPaths) -> Any:
                 if latest_version(paths.store) is None:
                     raise
     return None
+
+
+def _forget_settings_of_an_empty_run(paths: RunPaths) -> None:
+    """Removes the ``settings.json`` of a run whose initial policy could not be built (a diverged warm start, a
+    bug in ``make_policy``) when nothing was built with those settings (no policy, no checkpoint, no row), so
+    the start with corrected settings is not refused as one with other settings under the same name."""
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+    from rlhf_pipeline.storage import open_buffer
+    from rlhf_pipeline.storage.errors import StoreNotFoundError
+
+    if run_checkpoints(paths).latest_step() is not None:
+        return
+    try:
+        with open_buffer(paths.buffer_location, mode="r") as buffer:
+            if len(buffer):
+                return
+    except StoreNotFoundError:  # no shard made yet
+        pass
+    paths.store.delete(paths.key(paths.settings_file))
 
 
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:

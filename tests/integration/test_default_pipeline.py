@@ -126,6 +126,12 @@ def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
     assert "holds nan or inf): nothing was published or trained" in error and "warm_start_lr" in error
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "nan" / "weights").exists() and not (tmp_path / "nan" / "checkpoints").exists()
+    # the corrected command under the same name starts the run: it was refused, the refused start's settings
+    # recorded as the run's ("other settings ... Resume with the same settings (--set warm_start_lr=1e+20)")
+    corrected = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "nan", "--steps", "2",
+                    "--set", "warm_start_steps=20", timeout=300)
+    assert corrected.returncode == 0, corrected.stderr[-3000:]
+    assert json.loads((tmp_path / "nan" / "settings.json").read_text())["warm_start_lr"] == 3e-3
 
 
 @pytest.mark.parametrize("steps", [["--steps", "0"], ["--steps", "-5"], ["--set", "steps=0"]])
