@@ -24,7 +24,7 @@ from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError, load_state_bytes
 from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json, split_override
-from rlhf_pipeline.runs.branch_command import branch_message, offline_command
+from rlhf_pipeline.runs.branch_command import branch_message, offline_command, start_over_command
 from rlhf_pipeline.runs.branch_online import prepare_online_branch
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
@@ -99,6 +99,9 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
             kept = ", ".join(str(s) for s in checkpoints.steps()) or "none"
             reason = (f"{parent_at} keeps no checkpoint of step {step} (kept: {kept}); branch from one of those, or "
                       f"keep more with learner.checkpoint_keep_every=M (every M-th step)")
+            if step == 0:  # the start of a run is no checkpoint: its pipeline builds it again from the seed
+                reason += (f". Step 0 is the initial policy, which the parent's pipeline builds again from the same seed "
+                           f"and settings: to start over from it, {start_over_command(parent_paths, saved)}")
             # a branch of it left half-made there cannot be made any more, and no rerun would remove it
             if _remove_half_made(target, parent_at):
                 reason += (f". Removed {new_at}, the branch a `branch` stopped midway left half-made (it held nothing "

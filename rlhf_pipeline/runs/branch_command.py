@@ -76,6 +76,23 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
                                    *replay_sets])}
 
 
+def start_over_command(paths: Any, settings: dict[str, Any]) -> str:
+    """How to start again from the initial policy of the run at ``paths`` (``settings``: its ``settings.json``),
+    which no checkpoint keeps and its pipeline builds again from the same seed and settings: the parent's own
+    command under a new name, for a branch asked for at step 0."""
+    if "replay" in settings:
+        return "give its replay command again under a new --run-name, with the --set values of yours"
+    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
+    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    try:
+        recorded = recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
+    except (PipelineError, ValueError, OSError):
+        return "run its pipeline under a new --run-name with every --set its settings.json records, and yours"
+    command = shlex.join(["rlhf-pipeline", "run", pipeline, "--home", paths.home, "--run-name", "NAME",
+                          *(word for item in recorded for word in ("--set", item))])
+    return f"run {command} with the --set values of yours"
+
+
 def branch_message(new: str, lineage: dict[str, Any]) -> str:
     """The line ``branch`` ends with: how to continue the branch at ``new``, the parent's command
     with every setting it was started with and the branch's changes."""

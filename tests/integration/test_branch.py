@@ -209,6 +209,8 @@ def test_what_cannot_change_or_is_not_kept_is_refused_in_one_line(runs, capsys, 
     assert "--set hidden_size: cannot change at a branch point" in err and len(err.strip().splitlines()) == 1
     assert main(["branch", str(parent), "--from-step", "4", str(tmp_path / "b")]) == 2
     assert "keeps no checkpoint of step 4 (kept: 6, 12)" in capsys.readouterr().err
+    assert main(["branch", str(parent), "--from-step", "0", str(tmp_path / "b")]) == 2  # a replay starts over by its own
+    assert "Step 0 is the initial policy" in (err := capsys.readouterr().err) and "give its replay command again" in err
     assert main(["branch", str(parent), "--from-step", "6", str(tmp_path / "b"), "--set", "learner.lr=fast"]) == 2
     assert "learner.lr" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()  # a refused branch leaves nothing behind

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -131,6 +132,24 @@ def test_a_branch_continued_online_is_not_branched_again_yet(runs, capsys):
     err = capsys.readouterr().err.strip()
     assert "is a branch continued online" in err and len(err.splitlines()) == 1
     assert not (home / "again").exists()
+
+
+def test_a_branch_from_step_0_names_the_command_that_starts_over_and_it_trains_what_the_parent_trained(runs, capsys):
+    """Step 0 is no checkpoint: the initial policy, which the parent's pipeline builds again from its seed and
+    settings. The refusal gives the parent's command under a new name, with every setting the run recorded."""
+    home, parent, _ = runs
+    assert main(["branch", str(parent), "--from-step", "0", str(home / "zero")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Step 0 is the initial policy" in err, err
+    given = shlex.split(err.split("to start over from it, run ", 1)[1].removesuffix(" with the --set values of yours"))
+    assert given[:3] == ["rlhf-pipeline", "run", str(parent / "pipeline.py")] and "NAME" in given
+    assert all(f"--set {item}" in err for item in SETTINGS if not item.startswith("learner.checkpoint"))
+    argv = ["over" if word == "NAME" else word for word in given[1:]]
+    ran = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", *argv, "--set", "steps=4"], cwd=REPO,
+                        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert trained(home / "over") == [m for m in trained(parent) if m["step"] <= 4]
+    assert not (home / "zero").exists()
 
 
 def test_a_branch_with_another_learning_rate_differs_from_the_next_step_and_reads_no_later_parent_row(runs):
