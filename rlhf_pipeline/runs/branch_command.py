@@ -47,6 +47,14 @@ def recorded_sets(settings: dict[str, Any], module: Any, *, run_at_a_url: bool =
         else sets
 
 
+def _pipeline_and_sets(paths: Any, settings: dict[str, Any]) -> tuple[str, list[str]]:
+    """The pipeline file a command for the run at ``paths`` gives (its copy in a directory, else PIPELINE.py)
+    and :func:`recorded_sets` of its ``settings``."""
+    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
+    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    return pipeline, recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
+
+
 def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
     """The commands that continue the branch at ``paths`` (a ``RunPaths``), as shell lines, from its
     ``settings.json`` and pipeline copy: ``"replay"`` for a branch of a replay; ``"online"`` and
@@ -55,12 +63,10 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
     machine may continue it), or where the copy imports modules beside it (they load from
     ``pipeline_modules/`` only in a run's start). ``PipelineError``, ``ValueError`` or ``OSError``
     when it cannot be rebuilt."""
-    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
-    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
     settings = saved_settings(paths.store)
     if settings is None:
         raise ValueError(f"{paths.location} keeps no settings.json")
-    recorded = recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
+    pipeline, recorded = _pipeline_and_sets(paths, settings)
     sets = [word for item in recorded for word in ("--set", item)]
     replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET
                    for word in ("--set", item)]
@@ -82,10 +88,8 @@ def start_over_command(paths: Any, settings: dict[str, Any]) -> str:
     command under a new name, for a branch asked for at step 0."""
     if "replay" in settings:
         return "give its replay command again under a new --run-name, with the --set values of yours"
-    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
-    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
     try:
-        recorded = recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
+        pipeline, recorded = _pipeline_and_sets(paths, settings)
     except (PipelineError, ValueError, OSError):
         return "run its pipeline under a new --run-name with every --set its settings.json records, and yours"
     command = shlex.join(["rlhf-pipeline", "run", pipeline, "--home", paths.home, "--run-name", "NAME",

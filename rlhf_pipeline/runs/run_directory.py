@@ -335,8 +335,9 @@ def _forget_settings_of_an_empty_run(paths: RunPaths) -> None:
     """Removes the ``settings.json`` of a run whose initial policy could not be built (a diverged warm start, a
     bug in ``make_policy``) when nothing was built with those settings (no policy, no checkpoint, no row), so
     the start with corrected settings is not refused as one with other settings under the same name."""
+    from rlhf_pipeline.files.settings_history import HISTORY_KEY, SETTINGS_KEY
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
-    from rlhf_pipeline.storage import open_buffer
+    from rlhf_pipeline.storage import StoreError, open_buffer
     from rlhf_pipeline.storage.errors import StoreNotFoundError
 
     if run_checkpoints(paths).latest_step() is not None:
@@ -347,7 +348,10 @@ def _forget_settings_of_an_empty_run(paths: RunPaths) -> None:
                 return
     except StoreNotFoundError:  # no shard made yet
         pass
-    paths.store.delete(paths.key(paths.settings_file))
+    except StoreError:  # a buffer that cannot be read may hold rows: the settings they were written with stay
+        return
+    for key in (HISTORY_KEY, SETTINGS_KEY):  # the history first: it refines the settings it names
+        paths.store.delete(key)
 
 
 def _create_url_shards(pipeline: Pipeline, paths: RunPaths, shards: Sequence[int]) -> None:
