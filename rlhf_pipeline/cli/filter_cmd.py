@@ -130,8 +130,28 @@ def run(args: argparse.Namespace) -> int:
               f"on trajectory_return, trajectory_end or trajectory_turns takes or leaves whole trajectories)")
     if result.output == "selection":
         print(f"{result.destination}: a selection of {result.source} (no rows copied); open it like any buffer")
+        if (dropping := _retention_of_its_run(str(result.source))) is not None:
+            print(f"note: the run of {result.source} drops old rows ({dropping}): the selection reads its rows in "
+                  f"place, so it can be read only while the run holds them; filter without --selection copies them")
     elif result.output == "buffer":
         stats = result.stats
         print(f"{result.destination}: {stats.backend} buffer, {stats.rows} rows in {stats.segments} segments, "
               f"{stats.bytes_on_disk} bytes on disk")
     return 0
+
+
+def _retention_of_its_run(source: str) -> str | None:
+    """The retention settings of the run whose buffer (or shard) ``source`` is, as ``key=value`` words; None
+    when it is no run's buffer or its run keeps every row."""
+    from rlhf_pipeline.files.settings_history import saved_settings
+    from rlhf_pipeline.runs.lineage import is_run, run_store_at
+
+    if "/buffer" not in source:
+        return None
+    run = source.rsplit("/buffer", 1)[0]
+    if not is_run(run):
+        return None
+    retention = (saved_settings(run_store_at(run)) or {}).get("retention") or {}
+    bounds = [f"retention.{key}={retention[key]}" for key in ("max_rows", "max_versions_behind", "max_age_s")
+              if retention.get(key) is not None]
+    return ", ".join(bounds) or None

@@ -124,6 +124,12 @@ def test_a_run_with_max_rows_keeps_its_shard_bounded_and_trains(tmp_path):
     shown = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "inspect", str(run)], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert "retention  max_rows=48" in shown.stdout and f"shard-0000: {first}" in shown.stdout
+    # a selection of the run's rows reads them in place, so its retention will drop them from it: said as it is made
+    selected = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "filter", str(run), str(tmp_path / "s.sel"),
+                              "--selection", "--quiet", "--where", "reward >= 0"], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert selected.returncode == 0, selected.stderr[-3000:]
+    assert "drops old rows (retention.max_rows=48)" in selected.stdout and "filter without --selection" in selected.stdout
 
 
 def test_an_agent_run_drops_whole_trajectories_and_groups(tmp_path):
