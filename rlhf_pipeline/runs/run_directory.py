@@ -10,6 +10,7 @@ Design: docs/pipelines.md#one-command-per-run-directory.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -64,22 +65,24 @@ class RunHolder(_Holder):
     instead (:class:`UrlRunHolder`).
     """
 
-    def __init__(self, fd: int, root: Path, created_root: bool) -> None:
+    def __init__(self, fd: int, root: Path, made: list[Path]) -> None:
         self.fd = fd
         self._root = root
-        self._created_root = created_root
+        self._made = made  # the directories taking it made, the run directory first
 
     def release(self) -> None:
         if self.fd < 0:
             return
         fd, self.fd = self.fd, -1
         try:
-            if self._created_root and {p.name for p in self._root.iterdir()} <= {HOLDER_FILE, PREPARE_LOCK_FILE}:
+            if self._made and {p.name for p in self._root.iterdir()} <= {HOLDER_FILE, PREPARE_LOCK_FILE}:
                 # a command refused for a bad setting or input (replay's --init-from, checked while the run
-                # is prepared) leaves no directory behind, as before the locks
+                # is prepared) leaves no directory behind, as before the locks: nor a --home it made
                 for name in (PREPARE_LOCK_FILE, HOLDER_FILE):
                     (self._root / name).unlink(missing_ok=True)
-                self._root.rmdir()
+                for made in self._made:
+                    with contextlib.suppress(OSError):  # one another command made use of meanwhile stays
+                        made.rmdir()
         finally:
             os.close(fd)  # closing the last descriptor of the open file unlocks it
 
@@ -109,7 +112,7 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
     refuse_unwritable(paths.root)  # at a URL, this machine's cache of the run
     if paths.url is not None:
         return _hold_run_url(paths, command)
-    created_root = not paths.root.exists()
+    made = [d for d in (paths.root, *paths.root.parents) if not d.exists()]  # the run directory, and a new --home
     paths.root.mkdir(parents=True, exist_ok=True)
     fd = os.open(paths.root / HOLDER_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
@@ -125,7 +128,7 @@ def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolde
               "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps(record).encode(), 0)
-    return RunHolder(fd, paths.root, created_root)
+    return RunHolder(fd, paths.root, made)
 
 
 def refuse_unwritable(root: Path) -> None:

@@ -72,8 +72,8 @@ def test_bad_settings_fail_before_any_work(tmp_path):
     bad_reward.write_text(Path(DEFAULT).read_text().replace(
         'rewards = {"toy": toy_reward}', 'rewards = {"toy": lambda prompts, completions, **_: [0.0]}'))
     with pytest.raises(PipelineError, match="reward 'toy' returned 1 values for 8 completions"):
-        run_command("run", pipeline_path=str(bad_reward), home=str(tmp_path))
-    assert not (tmp_path / "bad_reward").exists()
+        run_command("run", pipeline_path=str(bad_reward), home=str(tmp_path / "new" / "home"))
+    assert not (tmp_path / "new").exists()  # nor the --home it made for the run
 
 
 def test_a_kl_penalty_on_rows_without_reference_log_probs_is_refused_before_anything_is_written(tmp_path):
