@@ -21,7 +21,7 @@ from typing import Annotated, Any
 
 import torch
 
-from rlhf_pipeline.collect.commit import InOrderCommit, StreamTiming, partial_round, stored_in_round, without_stored
+from rlhf_pipeline.collect.commit import InOrderCommit, partial_round, stored_in_round, without_stored
 from rlhf_pipeline.collect.console import collector_tag, say
 from rlhf_pipeline.collect.episodes import EndedGroup, Environments, SingleTurn
 from rlhf_pipeline.collect.prompts import RecordCycle
@@ -64,6 +64,11 @@ class CollectorConfig:
             raise ValueError(f"CollectorConfig.collector_index must be in [0, {MAX_COLLECTORS}), got {self.collector_index}")
 
 
+COUNTERS = ("groups_emitted", "trajectories_emitted", "batches_emitted", "groups_dropped", "trajectories_written",
+            "rows_written")
+"""The id and pacing counters, saved in the state: ``groups_dropped`` is the failure rate's numerator;
+``trajectories_written`` and ``rows_written`` the turns a trajectory has, for ``round_rows``."""
+
 MetricsHook = Callable[[dict[str, float]], None]
 Sink = Callable[..., Any]
 """``sink(rows | None, *, writer_state=state)``: stores whole groups with the collector's state after
@@ -93,7 +98,8 @@ class Round:
     runner: Any = None  # an agent round's thread
     rollout: Any = None  # an agent round's episodes, once all ended
     rows_s: float = 0.0  # seconds building (and scoring) rows
-    dropped: list[tuple[int, str, str]] = field(default_factory=list)
+    dropped: list[tuple[int, str, str]] = field(default_factory=list)  # (group index, reason, one line)
+    parts: list[dict[str, torch.Tensor]] = field(default_factory=list)  # a single-turn round's reward parts
     trajectories_written: int = 0
     rows_written: int = 0
 
@@ -132,12 +138,8 @@ class Collector:
         self._turns = EngineTurns(self.engine, self.config.sampling)  # refuses what the engine cannot honour
         self.runner_state: dict[str, Any] = {}
         """The runner's own state (its row clock), saved in and restored from :meth:`state_dict`."""
-        self.groups_emitted = 0
-        self.trajectories_emitted = 0
-        self.batches_emitted = 0
-        self.groups_dropped = 0  # over every round, resumed with the state: the failure rate's numerator
-        # trajectories and rows written: the turns a trajectory has, for round_rows
-        self.trajectories_written = self.rows_written = 0
+        for name in COUNTERS:
+            setattr(self, name, 0)
         self.generator = torch.Generator()  # the round's seeds, drawn with its tasks
         self.generator.manual_seed(self.config.seed * MAX_COLLECTORS + self.config.collector_index)
         self.last_metrics: dict[str, float] = {}
@@ -155,25 +157,22 @@ class Collector:
         round_, self._ahead = self._ahead or self._start_round(None), None
         round_.start_state = self._state(round_.draws)  # every earlier round is counted now
         chunks: list[TrajectoryBatch] = []
-        parts: list[dict[str, torch.Tensor]] = []
 
         def write(groups: list[EndedGroup], last: bool) -> None:
             began = time.perf_counter()
-            rows = self.episodes.rows(self, round_, groups)
+            rows = self.episodes.rows(self, round_, groups)  # its dropped groups go to round_.dropped
             round_.rows_s += time.perf_counter() - began
-            round_.dropped += rows.dropped
-            if rows.batch is not None:
-                round_.trajectories_written += len(set(rows.batch["trajectory_id"].tolist()))
-                round_.rows_written += len(rows.batch)
-                chunks.append(rows.batch)
-                parts.append(rows.parts)
+            if rows is not None:
+                round_.trajectories_written += len(set(rows["trajectory_id"].tolist()))
+                round_.rows_written += len(rows)
+                chunks.append(rows)
             state = (self._state(self._draws(), counted=round_) if last
                      else partial_round(round_.start_state, groups[-1].index + 1))
-            unstored = without_stored(rows.batch, round_.first_group_id, self._stored_in_round)
+            unstored = without_stored(rows, round_.first_group_id, self._stored_in_round)
             if self.sink is not None and (last or unstored is not None):  # the last append goes even with no rows
                 self.sink(unstored, writer_state=state)
 
-        commit = InOrderCommit(len(round_.tasks), write, StreamTiming(started=started))
+        commit = InOrderCommit(len(round_.tasks), write, started)
         try:
             for ended in self._ended(round_):
                 if next_round is not None:  # asked once, when the first slots of the engine came free
@@ -183,7 +182,7 @@ class Collector:
                     next_round = None
                 commit.add(ended)
             self.episodes.finish(round_)
-            timing = commit.finish()
+            commit.finish()
         except BaseException:
             self._abandon(round_)  # (load_state_dict abandons the round started ahead)
             # a retry runs the round again from its start, writing only its groups not stored yet
@@ -201,9 +200,7 @@ class Collector:
             say(f"{tag} round {self.batches_emitted}: dropped group {round_.first_group_id + index} ({reason}): "
                 f"{line.removeprefix(reason + ': ')}")
         batch = TrajectoryBatch.cat(chunks) if len(chunks) > 1 else chunks[0] if chunks else None
-        names = parts[0].keys() if parts else ()
-        self._report(round_, batch, {k: torch.cat([p[k] for p in parts]) for k in names},
-                     time.perf_counter() - started, timing.metrics())
+        self._report(round_, batch, time.perf_counter() - started, commit.metrics())
         check_failure_rate(self.groups_dropped, self.groups_emitted, self.config.max_failed_group_fraction,
                            self.config.failure_rate_min_groups, failures[-1][2] if failures else None,
                            over=self.episodes.drops_over)
@@ -247,25 +244,20 @@ class Collector:
 
     def _counts(self, round_: Round | None = None) -> dict[str, int]:
         """The id and pacing counters, with ``round_``'s in when given."""
-        groups = 0 if round_ is None else len(round_.tasks)
-        return {
-            "groups_emitted": self.groups_emitted + groups,
-            "trajectories_emitted": self.trajectories_emitted + groups * self.config.group_size,
-            "batches_emitted": self.batches_emitted + (round_ is not None),
-            "groups_dropped": self.groups_dropped + (0 if round_ is None else len(round_.dropped)),
-            "trajectories_written": self.trajectories_written + (0 if round_ is None else round_.trajectories_written),
-            "rows_written": self.rows_written + (0 if round_ is None else round_.rows_written),
-        }
+        added = {} if round_ is None else {
+            "groups_emitted": len(round_.tasks), "trajectories_emitted": len(round_.tasks) * self.config.group_size,
+            "batches_emitted": 1, "groups_dropped": len(round_.dropped),
+            "trajectories_written": round_.trajectories_written, "rows_written": round_.rows_written}
+        return {name: getattr(self, name) + added.get(name, 0) for name in COUNTERS}
 
-    def _report(self, round_: Round, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor], elapsed: float,
-                streamed: dict[str, float]) -> None:
+    def _report(self, round_: Round, batch: TrajectoryBatch | None, elapsed: float, streamed: dict[str, float]) -> None:
         reasons = {f"dropped/{r}": float(n) for r, n in Counter(r for _, r, _ in round_.dropped if r).items()}
         rows = 0 if batch is None else len(batch)
         metrics = {
             "rows": float(rows),
             "rows_per_s": rows / max(elapsed, 1e-9),
             "generate_s": round_.turns.busy_s,  # seconds the engine had at least one request of the round
-            **self.episodes.metrics(self, round_, batch, parts, elapsed),
+            **self.episodes.metrics(self, round_, batch, elapsed),
             "groups_dropped": float(len(round_.dropped)),
             "groups_dropped_total": float(self.groups_dropped),
             **reasons,
@@ -356,12 +348,8 @@ class Collector:
                              f"this is collector {self.config.collector_index}; restore each collector from its own state")
         # a single-turn collector's state saved before there was one collector names its task position prompts
         self.tasks.load_state_dict(state["tasks"] if "tasks" in state else state["prompts"])
-        self.groups_emitted = int(state["groups_emitted"])
-        self.trajectories_emitted = int(state["trajectories_emitted"])
-        self.batches_emitted = int(state["batches_emitted"])
-        self.groups_dropped = int(state.get("groups_dropped", 0))
-        self.trajectories_written = int(state.get("trajectories_written", 0))
-        self.rows_written = int(state.get("rows_written", 0))
+        for name in COUNTERS:
+            setattr(self, name, int(state.get(name, 0)))
         # the saved policy_version is not restored: rows name the version the engine holds, and the
         # caller loads the newest published weights next (collect_main does)
         self.generator.set_state(state["rng"])

@@ -2,7 +2,7 @@
 state after it. Groups end in whatever order their episodes end; committing them in that order would
 make the buffer's order (and what reads by position: resume, pacing, sampling) depend on timing. So
 whenever the groups that ended extend the round's committed prefix, the prefix grows by one append; the
-chunk that completes the round is written once its episodes are all done. :class:`StreamTiming`
+chunk that completes the round is written once its episodes are all done. :meth:`InOrderCommit.metrics`
 measures what the wait costs (``order_wait_s``).
 Design: docs/generation.md#rounds-groups-and-turns-as-they-finish.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -19,19 +18,58 @@ import torch
 from rlhf_pipeline.schema import TrajectoryBatch
 
 
-@dataclass
-class StreamTiming:
-    """When a round's groups ended and were committed, in seconds from the round's start."""
+class InOrderCommit:
+    """:meth:`add` each list of groups that ended together as it comes (each with an ``index``, its
+    place in the round), :meth:`finish` once the round's episodes are all done. ``write(groups, last)``:
+    one append of consecutive groups of the round; ``last`` for the chunk that completes it. It also
+    keeps when each group ended and was committed, in seconds from ``started`` (:meth:`metrics`)."""
 
-    started: float = field(default_factory=time.perf_counter)
-    ended_s: dict[int, float] = field(default_factory=dict)
-    """Group index -> when its episodes had all ended."""
-    committed_s: dict[int, float] = field(default_factory=dict)
-    """Group index -> when the append holding it returned."""
-    chunk_sizes: list[int] = field(default_factory=list)
+    def __init__(self, count: int, write: Callable[[list[Any], bool], None], started: float | None = None) -> None:
+        self.count = count
+        self.write = write
+        self.started = time.perf_counter() if started is None else started
+        self.ended_s: dict[int, float] = {}  # group index -> when its episodes had all ended
+        self.committed_s: dict[int, float] = {}  # group index -> when the append holding it returned
+        self.chunk_sizes: list[int] = []
+        self._ended: dict[int, Any] = {}
+        self.committed = 0  # groups 0..committed-1 are written (or held as the round's last chunk)
+        self._held: list[Any] = []  # the chunk that completes the round, written by finish()
 
-    def now(self) -> float:
-        return time.perf_counter() - self.started
+    def add(self, finished_together: Iterable[Any]) -> None:
+        now = time.perf_counter() - self.started
+        for group in finished_together:
+            if not 0 <= group.index < self.count or group.index in self._ended or group.index < self.committed:
+                raise RuntimeError(f"group {group.index} ended twice or outside a round of {self.count}: "
+                                   f"not the engine contract (one answer per request)")
+            self._ended[group.index] = group
+            self.ended_s[group.index] = now
+        chunk = []
+        while self.committed in self._ended:
+            chunk.append(self._ended.pop(self.committed))
+            self.committed += 1
+        if chunk and self.committed == self.count:
+            self._held = chunk
+        elif chunk:
+            self._write(chunk, False)
+
+    @property
+    def written(self) -> int:
+        """Groups appended so far (the chunk that completes the round waits for :meth:`finish`)."""
+        return self.committed - len(self._held)
+
+    def finish(self) -> InOrderCommit:
+        if self.committed != self.count:
+            raise RuntimeError(f"the round ended with {self.committed + len(self._ended)} of its {self.count} "
+                               f"groups")
+        self._write(self._held, True)
+        return self
+
+    def _write(self, chunk: list[Any], last: bool) -> None:
+        self.write(chunk, last)
+        done = time.perf_counter() - self.started
+        self.chunk_sizes.append(len(chunk))
+        for group in chunk:
+            self.committed_s[group.index] = done
 
     def metrics(self) -> dict[str, float]:
         """``first_group_s`` / ``round_s``: the first and the last append's end; ``first_ended_s``: the
@@ -50,57 +88,6 @@ class StreamTiming:
             "chunks": float(len(self.chunk_sizes)),
             "groups_per_chunk": sum(self.chunk_sizes) / len(self.chunk_sizes),
         }
-
-
-class InOrderCommit:
-    """:meth:`add` each list of groups that ended together as it comes (each with an ``index``, its
-    place in the round), :meth:`finish` once the round's episodes are all done. ``write(groups, last)``:
-    one append of consecutive groups of the round; ``last`` for the chunk that completes it."""
-
-    def __init__(self, count: int, write: Callable[[list[Any], bool], None],
-                 timing: StreamTiming | None = None) -> None:
-        self.count = count
-        self.write = write
-        self.timing = timing or StreamTiming()
-        self._ended: dict[int, Any] = {}
-        self.committed = 0  # groups 0..committed-1 are written (or held as the round's last chunk)
-        self._held: list[Any] = []  # the chunk that completes the round, written by finish()
-
-    def add(self, finished_together: Iterable[Any]) -> None:
-        now = self.timing.now()
-        for group in finished_together:
-            if not 0 <= group.index < self.count or group.index in self._ended or group.index < self.committed:
-                raise RuntimeError(f"group {group.index} ended twice or outside a round of {self.count}: "
-                                   f"not the engine contract (one answer per request)")
-            self._ended[group.index] = group
-            self.timing.ended_s[group.index] = now
-        chunk = []
-        while self.committed in self._ended:
-            chunk.append(self._ended.pop(self.committed))
-            self.committed += 1
-        if chunk and self.committed == self.count:
-            self._held = chunk
-        elif chunk:
-            self._write(chunk, False)
-
-    @property
-    def written(self) -> int:
-        """Groups appended so far (the chunk that completes the round waits for :meth:`finish`)."""
-        return self.committed - len(self._held)
-
-    def finish(self) -> StreamTiming:
-        if self.committed != self.count:
-            raise RuntimeError(f"the round ended with {self.committed + len(self._ended)} of its {self.count} "
-                               f"groups")
-        self._write(self._held, True)
-        return self.timing
-
-    def _write(self, chunk: list[Any], last: bool) -> None:
-        self.write(chunk, last)
-        done = self.timing.now()
-        self.timing.chunk_sizes.append(len(chunk))
-        for group in chunk:
-            self.timing.committed_s[group.index] = done
 
 
 STORED_IN_ROUND = "groups_stored_in_round"

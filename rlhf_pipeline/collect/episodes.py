@@ -35,19 +35,6 @@ class EndedGroup:
     episodes: Any
 
 
-@dataclass(frozen=True)
-class RoundRows:
-    """The rows of consecutive ended groups of a round, and the groups dropped among them."""
-
-    batch: TrajectoryBatch | None
-    """None: every one of them was dropped."""
-    dropped: list[tuple[int, str, str]]
-    """``(group id, reason, one line)`` of each dropped group (an agent group's id only: what failed is
-    known once the round's episodes all ended)."""
-    parts: dict[str, torch.Tensor] = field(default_factory=dict)
-    """A single-turn round's reward parts, per row kept."""
-
-
 class SingleTurn:
     """Episodes of one turn: a group is ``group_size`` completions of the task's prompt, each scored
     by ``rewards`` (one callable, ``{name: fn}``, ``{name: (fn, weight)}`` or ``WeightedReward``s)."""
@@ -90,9 +77,10 @@ class SingleTurn:
             future = round_.turns.ask(request, seed)
             future.add_done_callback(lambda f, index=index: answered(index, f))
 
-    def rows(self, collector, round_, groups: list[EndedGroup]) -> RoundRows:
+    def rows(self, collector, round_, groups: list[EndedGroup]) -> TrajectoryBatch | None:
         """The scored rows of ``groups`` (whole groups of the round, in order), with the ids they have in
-        the round: group ``k`` is ``group_id`` base + groups so far + k."""
+        the round: group ``k`` is ``group_id`` base + groups so far + k; a group whose reward is not finite
+        goes to ``round_.dropped``, its reward parts per row kept to ``round_.parts``. None: all dropped."""
         cfg, tokenizer, tasks = collector.config, collector.tokenizer, round_.tasks
         completions_out = [c for g in groups for c in g.episodes.completions]  # grouped by task, in order
         idx = [g.index for g in groups for _ in g.episodes.completions]
@@ -127,31 +115,26 @@ class SingleTurn:
             "response_text": completions,
         })
         batch, parts, dropped = drop_non_finite_groups(batch, parts, prompt_index, completions)
-        return RoundRows(batch if len(batch) else None, [(g, "non_finite_reward", why) for g, why in dropped], parts)
+        round_.dropped += [(g - round_.first_group_id, "non_finite_reward", why) for g, why in dropped]
+        round_.parts.append(parts)
+        return batch if len(batch) else None
 
     def finish(self, round_) -> None:
         """Nothing runs beside a single-turn round once its last answer came."""
 
     def failures(self, round_) -> list[tuple[int, str, str]]:
         """``(group index, reason, one line)`` of each dropped group, found as its rows were built."""
-        return [(group_id - round_.first_group_id, reason, why) for group_id, reason, why in round_.dropped]
+        return round_.dropped
 
-    def metrics(self, collector, round_, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor],
-                elapsed: float) -> dict[str, float]:
-        g = collector.config.group_size
-        rows = 0 if batch is None else len(batch)
-        reward = batch["reward"] if rows else torch.zeros(0)
-        grouped = reward.reshape(-1, g)
-        group_std = grouped.std(dim=1, unbiased=False) if g > 1 and rows else torch.zeros(len(grouped))
-
+    def metrics(self, collector, round_, batch: TrajectoryBatch | None, elapsed: float) -> dict[str, float]:
         def mean(values: torch.Tensor) -> float:  # 0 for a round whose every group was dropped
             return float(values.float().mean()) if values.numel() else 0.0
 
+        rows = batch is not None
+        parts = {k: torch.cat([p[k] for p in round_.parts]) for k in (round_.parts[0] if round_.parts else ())}
         return {
             "reward_s": round_.rows_s,
-            "reward_mean": mean(reward),
-            "reward_std": float(reward.std(unbiased=False)) if rows else 0.0,
-            "groups_with_signal": mean(group_std > 0),
+            **_reward_metrics(batch["reward"] if rows else torch.zeros(0), collector.config.group_size),
             "response_len_mean": mean(batch["response_tokens"].lengths()) if rows else 0.0,
             "terminated_frac": mean(batch["terminated"]) if rows else 0.0,
             **{f"reward/{name}": mean(values) for name, values in parts.items()},
@@ -239,15 +222,15 @@ class Environments:
         round_.runner = threading.Thread(target=run, name="collector-episodes", daemon=True)
         round_.runner.start()
 
-    def rows(self, collector, round_, groups: list[EndedGroup]) -> RoundRows:
+    def rows(self, collector, round_, groups: list[EndedGroup]) -> TrajectoryBatch | None:
         """The rows of ended groups, task ``i``'s group id ``first_group_id + i`` and its episode ``j``'s
-        trajectory ``first_trajectory_id + i * group_size + j``: a dropped group leaves its ids unused."""
-        dropped = [(round_.first_group_id + group.index, "", "") for group in groups if group.episodes is None]
-        batch = groups_to_batch([(group.index, group.episodes) for group in groups if group.episodes is not None],
+        trajectory ``first_trajectory_id + i * group_size + j``: a dropped group leaves its ids unused (and
+        goes to ``round_.dropped`` with no reason: what failed is known once the round's episodes all ended)."""
+        round_.dropped += [(group.index, "", "") for group in groups if group.episodes is None]
+        return groups_to_batch([(group.index, group.episodes) for group in groups if group.episodes is not None],
                                 group_size=collector.config.group_size, first_group_id=round_.first_group_id,
                                 first_trajectory_id=round_.first_trajectory_id,
                                 policy_version=collector.policy_version, fields=self.row_fields)
-        return RoundRows(batch, dropped)
 
     def finish(self, round_) -> None:
         """Waits for the round's episodes' thread (an abandoned round's episodes stop at their next turn)."""
@@ -261,28 +244,22 @@ class Environments:
             first.setdefault(failure.group, failure)
         return [(group, f.reason, f"{f.reason}: {f.message}") for group, f in sorted(first.items())]
 
-    def metrics(self, collector, round_, batch: TrajectoryBatch | None, parts: dict[str, torch.Tensor],
-                elapsed: float) -> dict[str, float]:
+    def metrics(self, collector, round_, batch: TrajectoryBatch | None, elapsed: float) -> dict[str, float]:
         """Rewards, turns, tool calls and failures of the round; ``engine_idle_share``: the share of the
         round in which the engine had no turn to sample."""
         episodes, m = round_.rollout.episodes, round_.rollout.metrics
         n = max(len(episodes), 1)  # every group dropped: the per-episode figures are 0
-        returns = torch.tensor([sum(e.rewards) for e in episodes] or [0.0], dtype=torch.float64)  # (n,)
-        g = collector.config.group_size
-        group_std = returns.reshape(-1, g).std(dim=1, unbiased=False) if g > 1 and episodes else torch.zeros(1)
+        returns = torch.tensor([sum(e.rewards) for e in episodes], dtype=torch.float64)  # (n,)
         turns = torch.tensor([len(e.turns) for e in episodes] or [0], dtype=torch.float64)
         calls = [sum(len(t.tool_calls) for t in e.turns) for e in episodes]
         return {
             "engine_idle_share": max(0.0, 1.0 - round_.turns.busy_s / max(elapsed, 1e-9)),
-            "reward_mean": float(returns.mean()),
-            "reward_std": float(returns.std(unbiased=False)),
-            "groups_with_signal": float((group_std > 0).double().mean()),
+            **_reward_metrics(returns, collector.config.group_size),
             "turns_per_episode": float(turns.mean()),
             "turns_max": float(turns.max()),
             "tool_call_rate": sum(c > 0 for c in calls) / n,  # episodes that called a tool at least once
             "tool_calls_per_episode": sum(calls) / n,
             "sampled_tokens_per_episode": 0.0 if batch is None else float(batch["response_tokens"].lengths().sum()) / n,
-            "groups_dropped": float(m["groups_dropped"]),
             "generation_batches": float(m["generation_batches"]),
             "retokenization_drift": float(m["retokenization_drift"]),
             "template_mismatch": float(m["template_mismatch"]),
@@ -290,3 +267,13 @@ class Environments:
             **{name: float(count) for name, count in sorted(m.items())  # reason/env_done..., tools/ok, dropped/...
                if name.startswith(("reason/", "tools/", "dropped/"))},
         }
+
+
+def _reward_metrics(returns: torch.Tensor, group_size: int) -> dict[str, float]:
+    """Mean and spread of ``returns`` (n,), one per trajectory in groups of ``group_size``, and the share
+    of groups whose returns differ (what GRPO learns from); 0 each when every group was dropped."""
+    if not returns.numel():
+        return {"reward_mean": 0.0, "reward_std": 0.0, "groups_with_signal": 0.0}
+    spread = returns.reshape(-1, group_size).std(dim=1, unbiased=False) if group_size > 1 else torch.zeros(1)
+    return {"reward_mean": float(returns.mean()), "reward_std": float(returns.std(unbiased=False)),
+            "groups_with_signal": float((spread > 0).to(returns.dtype).mean())}

@@ -40,8 +40,8 @@ WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/r
 
 class OwnedServer:
     """The server a :class:`VLLMEngine` starts (healthy once this returns), and its replacement when it
-    dies: the client's ``supervisor`` (``vllm_http.Supervisor``), whose ``base_url`` is always the live
-    server's. ``reload``: gives a new server the held weights (a ``weakref.WeakMethod``: the engine it
+    dies: the client's ``supervisor`` (``vllm_http.JsonClient``), whose ``base_url`` is always the live
+    server's and ``generation`` how many servers were started before it (a request remembers it when sent). ``reload``: gives a new server the held weights (a ``weakref.WeakMethod``: the engine it
     calls stays collectable while the server lives). ``own_work_dir``: ``work_dir`` is a
     scratch directory of its own, removed at :meth:`stop` (and when the first start fails)."""
 
@@ -79,6 +79,9 @@ class OwnedServer:
         return self.process.url
 
     def revive(self, seen: int, fault: str, what: str, retries: Retries) -> bool:
+        """After a request went unanswered: True when the server is (now) newer than ``seen`` (a dead or
+        hung one restarted, given the weights it held), so the request goes again at once with its seed;
+        False when it lives and answers nothing worse than a pause (the client's own retries go on)."""
         with self._lock:
             if self.generation != seen:  # another request's thread replaced it meanwhile
                 return True

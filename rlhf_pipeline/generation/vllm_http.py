@@ -5,7 +5,7 @@ A request the server does not answer (refused, reset, timed out, cut short) or a
 502, 503, 504) is asked again after a doubling pause, then :class:`ServerUnreachable`; safe, since every
 request is whole and seeded. Another HTTP error is :class:`ServerError` at once; a reply that is not
 JSON or that the caller's ``check`` refuses is a ``BadAnswer``, asked again, then said. With a
-:class:`Supervisor` (a server of ours), an unanswered request first lets it replace a dead server.
+``supervisor`` (a server of ours, ``vllm_engine.OwnedServer``), an unanswered request first lets it replace a dead server.
 Design: docs/generation.md#a-vllm-server-you-started-generationurl ("A server that stops answering").
 """
 
@@ -20,9 +20,12 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from rlhf_pipeline.generation.engine import BadAnswer, EngineDied, EngineFailed
+
+if TYPE_CHECKING:
+    from rlhf_pipeline.generation.vllm_engine import OwnedServer
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 """Statuses that say "not now" (overloaded, a proxy without its upstream, restarting): retried."""
@@ -59,7 +62,7 @@ def _to_stderr(line: str) -> None:
 @dataclass
 class Retries:
     """``generation.retries``, ``backoff_s`` and ``timeout_s`` as one client uses them: a request the
-    server did not answer is asked again after doubling pauses; a server of ours (a :class:`Supervisor`)
+    server did not answer is asked again after doubling pauses; a server of ours (``vllm_engine.OwnedServer``)
     that died, or hung past ``timeout_s``, is first started again, at most ``retries`` times in a row."""
 
     # as GenerationSettings documents them; a pause is at most MAX_PAUSE_S before a retry and
@@ -71,16 +74,6 @@ class Retries:
     """Where the line said before each restart goes (the collector sets its console's)."""
     in_a_row: int = 0
     """Restarts since the server last answered."""
-
-    def __post_init__(self) -> None:
-        if self.retries < 0:
-            raise ValueError(f"setting 'generation.retries' must be >= 0 (0: one try, never a restart), "
-                             f"got {self.retries}")
-        if not self.backoff_s >= 0:
-            raise ValueError(f"setting 'generation.backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
-        if self.timeout_s is not None and not self.timeout_s > 0:
-            raise ValueError(f"setting 'generation.timeout_s' must be > 0 (seconds) or none (wait for ever), "
-                             f"got {self.timeout_s}")
 
     @property
     def reply_timeout_s(self) -> float:
@@ -105,26 +98,12 @@ class Retries:
         self.in_a_row = 0
 
 
-class Supervisor(Protocol):
-    """What a client asks about a server it owns (``vllm_engine.py``): after a request went unanswered,
-    whether the server was replaced (a dead or hung one restarted, given the weights it held), so the
-    request goes again at once to ``base_url``, with the same seed."""
-
-    generation: int
-    """How many servers were started before the current one: a request remembers it when sent."""
-    base_url: str
-
-    def revive(self, seen: int, fault: str, what: str, retries: Retries) -> bool:
-        """True when the server is (now) a newer one than ``seen``; False when it lives and answers
-        nothing worse than a pause (then the client's own retries go on)."""
-
-
 class JsonClient:
     """GET and POST JSON to ``base_url`` (``http://host:port``), retrying as the module says;
     ``supervisor``: the server is ours, and a dead one is replaced before the request goes again."""
 
     def __init__(self, base_url: str, retries: Retries | None = None, api_key: str | None = None,
-                 supervisor: Supervisor | None = None) -> None:
+                 supervisor: OwnedServer | None = None) -> None:
         self._base_url = base_url.rstrip("/")
         self.retries = retries or Retries()
         self.supervisor = supervisor
