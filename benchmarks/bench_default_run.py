@@ -46,7 +46,7 @@ def run_once(pipeline: Path, settings: list[str], home: Path) -> dict:
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise SystemExit(f"the run failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
-    from rlhf_pipeline.runs.summary import reward_first_and_last
+    from rlhf_pipeline.runs.run import reward_first_and_last
 
     metrics = sorted(home.glob("*/metrics.jsonl"))
     records = [json.loads(line) for line in metrics[0].read_text().splitlines()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rlhf_pipeline.runs.devices import no_cuda_reason
+from rlhf_pipeline.runs.run import no_cuda_reason
 from rlhf_pipeline.storage.memmap import MemmapTrajectoryStore
 
 REPO = Path(__file__).resolve().parent.parent

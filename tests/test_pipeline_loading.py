@@ -211,7 +211,7 @@ def test_cli_help_lists_the_run_flags():
 
 def test_a_resume_may_change_the_buffer_lock_settings_but_not_the_data_settings():
     from rlhf_pipeline.pipeline import settings_to_json
-    from rlhf_pipeline.runs.setting_changes import settings_changes
+    from rlhf_pipeline.runs.run_directory import settings_changes
 
     module = load_pipeline_module(DEFAULT)
     saved = settings_to_json(make_settings(module, []))

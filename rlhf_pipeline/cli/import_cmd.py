@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
                              f"zips it")
     if args.device is not None:
         from rlhf_pipeline.pipeline import PipelineError
-        from rlhf_pipeline.runs.devices import check_cuda_device
+        from rlhf_pipeline.runs.run import check_cuda_device
 
         try:
             check_cuda_device(args.device, what="--device")

@@ -237,7 +237,7 @@ class EvaluatorActor:
         return "evaluator"
 
     def run(self) -> int:
-        from rlhf_pipeline.runs.eval_process import eval_main
+        from rlhf_pipeline.runs.processes import eval_main
 
         control = self.job.control
         _register(control, "evaluator")

@@ -20,7 +20,7 @@ from rlhf_pipeline.pipeline import PipelineError, RunPaths
 from rlhf_pipeline.run_settings import RaySettings
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads, with_buffer_url
 from rlhf_pipeline.runs.run_directory import prepare_run, RunError
-from rlhf_pipeline.runs.summary import print_interrupted, print_summary
+from rlhf_pipeline.runs.run import print_interrupted, print_summary
 from rlhf_pipeline.runs import stopping
 from rlhf_pipeline.runs.stopping import LauncherSignals
 

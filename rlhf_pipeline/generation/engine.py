@@ -237,10 +237,10 @@ class GenerationEngine(ABC):
     """How a server's engine asks again and restarts the server it owns (``vllm_http.Retries``: its
     ``announce`` says each restart); None for our loop."""
     stopping: threading.Event | None = None
-    """Set, on this class, by a process of ``run`` that makes engines (``runs/processes.py``,
-    ``runs/eval_process.py``): its stop (a signal, its launcher gone). A wait of any of its engines
-    with no bound of its own (a shared server held on other collectors' weights, the connection check
-    of an engine's construction included) then ends with :class:`EngineStopped`."""
+    """Set, on this class, by a process of ``run`` that makes engines (``runs/processes.py``): its
+    stop (a signal, its launcher gone). A wait of any of its engines with no bound of its own (a shared
+    server held on other collectors' weights, the connection check of an engine's construction
+    included) then ends with :class:`EngineStopped`."""
 
     def __init__(self, stop_token_ids: Sequence[int], policy_version: int = 0) -> None:
         if not stop_token_ids:

@@ -4,17 +4,19 @@ stores, so a directory and a URL take one path. Made in place: ``branch.making``
 last; the parent is only read. What a branch holds and how it continues: ``docs/branching.md``.
 
 Why one file: making a branch is one sequence (checks, ``branch.making``, copies, ``parent-rows/``,
-``branch.json``) whose refusals and online start read the same marker and records.
+``branch.json``, the command that continues it) whose refusals and online start read the same marker
+and records.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import shlex
 import shutil
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -23,8 +25,14 @@ from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError, load_state_bytes
-from rlhf_pipeline.pipeline import PipelineError, make_settings, means_none, settings_to_json, split_override
-from rlhf_pipeline.runs.branch_command import branch_message, offline_command, start_over_command
+from rlhf_pipeline.pipeline import (
+    PipelineError,
+    make_settings,
+    means_none,
+    settings_to_json,
+    split_override,
+    zarr_where_the_buffer_is_a_url,
+)
 from rlhf_pipeline.runs.branch_online import prepare_online_branch
 from rlhf_pipeline.runs.lineage import (
     BRANCH_FILE,
@@ -39,11 +47,13 @@ from rlhf_pipeline.runs.lineage import (
     resolved_location,
 )
 from rlhf_pipeline.runs.pipeline_copy import load_copy
+from rlhf_pipeline.runs.replay_options import ReplayOptions
 from rlhf_pipeline.runs.retention import wait_for_drops
-from rlhf_pipeline.runs.run_directory import HOLDER_FILE, RunError
-from rlhf_pipeline.runs.setting_changes import may_change_on_resume
+from rlhf_pipeline.runs.run_directory import HOLDER_FILE, RunError, as_set_value, differences, may_change_on_resume
 
 _LOGS = ("metrics.jsonl", "batches.jsonl")
+# settings the replay command gives by its own flags (it sets `steps` from --epochs/--steps)
+_REPLAY_FLAGS_SET = ("steps",)
 
 
 class BranchError(RunError):
@@ -112,10 +122,8 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
             in_force = settings_in_force(source, saved, step)
         except StateFileError as exc:
             raise BranchError(str(exc)) from None
-        was, now = flat_settings(saved), flat_settings(in_force)
-        resumed_with = [f"{key}: was {was.get(key)!r}, now {now.get(key)!r}: the parent was resumed with it before "
-                        f"the steps after {step} (settings_history.json)"
-                        for key in sorted(was.keys() | now.keys()) if was.get(key) != now.get(key)]
+        resumed_with = [f"{line}: the parent was resumed with it before the steps after {step} (settings_history.json)"
+                        for line in differences(flat_settings(saved), flat_settings(in_force)).values()]
         settings, changed = changed_settings(parent_paths, in_force, overrides)
         changed = resumed_with + changed
         changed += _steps_past(settings, step, checkpoints.latest_step(), overrides)
@@ -145,9 +153,15 @@ def branch_run(parent: str | Path, step: int | str, new: str | Path, overrides: 
     return lineage
 
 
+def _half_made(holds: Callable[[str], bool]) -> bool:
+    """Whether a place is a branch left half-made: ``branch.making`` there and no ``branch.json``
+    (``branch`` was stopped while making it). ``holds(key)``: a store's ``exists``, or a listing's ``in``."""
+    return holds(BRANCH_MAKING) and not holds(BRANCH_FILE)
+
+
 def half_made_branch(paths: RunPaths) -> str | None:
     """The line ``replay``/``run``/``branch`` print for a run that is a branch left half-made, else None."""
-    if not paths.store.exists(BRANCH_MAKING) or paths.store.exists(BRANCH_FILE):
+    if not _half_made(paths.store.exists):
         return None
     return (f"{paths.location} is a branch left half-made ({BRANCH_MAKING}, no {BRANCH_FILE}: `branch` was stopped "
             f"while making it); run the same `rlhf-pipeline branch ... {paths.location}` again: it removes it and "
@@ -159,7 +173,7 @@ def _clear_place(target: Any, where: str) -> None:
     keys = target.walk()
     if not keys:
         return
-    if BRANCH_MAKING not in keys or BRANCH_FILE in keys:
+    if not _half_made(keys.__contains__):
         raise BranchError(f"{where} exists and holds objects already; a branch is a new run: choose another NEW_RUN "
                           f"name")
     print(f"[branch] {where} holds a branch left half-made ({BRANCH_MAKING}, no {BRANCH_FILE}): removing its "
@@ -171,7 +185,7 @@ def _remove_half_made(target: Any, parent: str) -> bool:
     """Removes the branch of ``parent`` left half-made at ``target`` (``branch.making``, no
     ``branch.json``), if there is one; whether it did."""
     keys = target.walk()
-    if BRANCH_MAKING not in keys or BRANCH_FILE in keys:
+    if not _half_made(keys.__contains__):
         return False
     named = (json_object(target.read(BRANCH_MAKING)) or {}).get("parent", parent)
     if resolved_location(str(named)).rstrip("/") != parent:
@@ -215,13 +229,11 @@ def changed_settings(parent: RunPaths, saved: dict[str, Any], overrides: Sequenc
         now = flat_settings(settings_to_json(make_settings(module, overrides)))
     except (PipelineError, FileNotFoundError) as exc:
         raise BranchError(f"--set: {exc}") from None
-    settings, changed = json.loads(json.dumps(saved)), []
-    for item in overrides:
-        key = split_override(item)[0]
+    settings, keys = json.loads(json.dumps(saved)), [split_override(item)[0] for item in overrides]
+    for key in keys:
         set_dotted(settings, key, now.get(key))
-        if was.get(key) != now.get(key):
-            changed.append(f"{key}: was {was.get(key)!r}, now {now.get(key)!r}")
-    return settings, changed
+    lines = differences(was, now, keys)
+    return settings, [lines[key] for key in keys if key in lines]  # in --set's order; a key set twice, twice
 
 
 def _steps_past(settings: dict[str, Any], step: int, newest: int, overrides: Sequence[str]) -> list[str]:
@@ -384,7 +396,7 @@ def start_online(paths: RunPaths) -> None:
 
 def main_message(new: str, lineage: dict[str, Any]) -> None:
     """What ``branch`` prints: where from, and the parent's command that continues the branch
-    (``runs/branch_command.py``)."""
+    (:func:`branch_message`)."""
     changed = "; ".join(lineage["settings_changed"]) or "no setting changed"
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
     print(f"[branch] {branch_message(new, lineage)}", file=sys.stderr)
@@ -445,3 +457,114 @@ def evicting_parent_stopped(parent: RunPaths) -> Iterator[None]:
                               f"detach the branch (rlhf-pipeline detach NEW_RUN) before starting the parent again; "
                               f"or bound the buffer with retention.* instead, which keeps a branch's rows") from None
         yield
+
+
+# ====================================================================== the command that continues a branch
+# A run records no command line, but its ``settings.json`` holds every setting it was started with and
+# its pipeline copy (``pipeline.py``) gives the defaults: each setting that differs from its default is a
+# ``--set``. All are given again because a setting left out resumes with its default, which for a
+# ``learner.*`` setting is only noted (``runs/run_directory.py``), so it would change silently. A replay
+# parent's own flags (``--buffer``, ``--epochs``, ``--order``, ``--seed``, ...) come from the ``replay``
+# record its ``settings.json`` keeps. Design: docs/branching.md#the-command.
+
+
+def recorded_sets(settings: dict[str, Any], module: Any, *, run_at_a_url: bool = False) -> list[str]:
+    """``KEY=VALUE`` for each setting in ``settings`` (a run's ``settings.json``) that differs
+    from the default of the pipeline ``module``, in the form ``--set`` parses, sorted by key;
+    ``buffer_backend=zarr`` not where the buffer is at a URL (``run_at_a_url``, or ``buffer_url``),
+    which makes it so. Checked by applying them: a value ``--set`` cannot give back raises
+    ``ValueError`` naming it."""
+    wanted = flat_settings({k: v for k, v in settings.items() if k != "replay"})
+
+    def differing(defaults: dict[str, Any]) -> list[str]:
+        flat = flat_settings(defaults)
+        return [key for key in sorted(wanted) if wanted[key] != flat.get(key)]
+
+    sets = [f"{key}={as_set_value(wanted[key])}" for key in differing(settings_to_json(make_settings(module)))]
+    lost = differing(settings_to_json(make_settings(module, sets)))
+    if lost:
+        raise ValueError(f"setting(s) {', '.join(lost)} cannot be given back with --set")
+    implied = [item for item in sets if item != "buffer_backend=zarr"]  # by where the buffer is: unsaid
+    return implied if "buffer_backend=zarr" in zarr_where_the_buffer_is_a_url(implied, run_at_a_url=run_at_a_url) \
+        else sets
+
+
+def _pipeline_and_sets(paths: Any, settings: dict[str, Any]) -> tuple[str, list[str]]:
+    """The pipeline file a command for the run at ``paths`` gives (its copy in a directory, else PIPELINE.py)
+    and :func:`recorded_sets` of its ``settings``."""
+    local = paths.url is None and not (paths.root / "pipeline_modules").exists()
+    pipeline = str(paths.root / "pipeline.py") if local else "PIPELINE.py"
+    return pipeline, recorded_sets(settings, load_copy(paths), run_at_a_url=paths.url is not None)
+
+
+def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> dict[str, str]:
+    """The commands that continue the branch at ``paths`` (a ``RunPaths``), as shell lines, from its
+    ``settings.json`` and pipeline copy: ``"replay"`` for a branch of a replay; ``"online"`` and
+    ``"offline"`` for a branch of a run with collectors (``parent_rows``: where its ``parent-rows/``
+    is). The pipeline file given is the branch's copy in a directory, else PIPELINE.py: at a URL (any
+    machine may continue it), or where the copy imports modules beside it (they load from
+    ``pipeline_modules/`` only in a run's start). ``PipelineError``, ``ValueError`` or ``OSError``
+    when it cannot be rebuilt."""
+    settings = saved_settings(paths.store)
+    if settings is None:
+        raise ValueError(f"{paths.location} keeps no settings.json")
+    pipeline, recorded = _pipeline_and_sets(paths, settings)
+    sets = [word for item in recorded for word in ("--set", item)]
+    replay_sets = [word for item in recorded if item.split("=", 1)[0] not in _REPLAY_FLAGS_SET
+                   for word in ("--set", item)]
+    place = ["--home", paths.home, "--run-name", paths.name]
+    if lineage.get("replay_source") is not None:
+        flags = ReplayOptions.recorded(settings.get("replay", {})).flags()  # each given back as recorded
+        return {"replay": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", lineage["replay_source"],
+                                      *flags, *place, *replay_sets])}
+    collectors = len(lineage.get("buffer_rows") or {})
+    many = ["--collectors", str(collectors)] if collectors > 1 else []
+    return {"online": shlex.join(["rlhf-pipeline", "run", pipeline, *many, *place, *sets]),
+            "offline": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", parent_rows, *place,
+                                   *replay_sets])}
+
+
+def start_over_command(paths: Any, settings: dict[str, Any]) -> str:
+    """How to start again from the initial policy of the run at ``paths`` (``settings``: its ``settings.json``),
+    which no checkpoint keeps and its pipeline builds again from the same seed and settings: the parent's own
+    command under a new name, for a branch asked for at step 0."""
+    if "replay" in settings:
+        return "give its replay command again under a new --run-name, with the --set values of yours"
+    try:
+        pipeline, recorded = _pipeline_and_sets(paths, settings)
+    except (PipelineError, ValueError, OSError):
+        return "run its pipeline under a new --run-name with every --set its settings.json records, and yours"
+    command = shlex.join(["rlhf-pipeline", "run", pipeline, "--home", paths.home, "--run-name", "NAME",
+                          *(word for item in recorded for word in ("--set", item))])
+    return f"run {command} with the --set values of yours"
+
+
+def branch_message(new: str, lineage: dict[str, Any]) -> str:
+    """The line ``branch`` ends with: how to continue the branch at ``new``, the parent's command
+    with every setting it was started with and the branch's changes."""
+    step = lineage["step"]
+    try:
+        commands = branch_commands(RunPaths.at(new), lineage, f"{new}/{PARENT_ROWS}")
+    except (PipelineError, ValueError, OSError) as exc:
+        return (f"continue it with the parent's command under the branch's name, giving every --set the parent was "
+                f"given (its settings.json has them) and the branch's: {' '.join(lineage['overrides'])} (the command "
+                f"could not be rebuilt: {exc})")
+    # PIPELINE.py where the branch's copy cannot be run in place (at a URL, or importing modules beside it)
+    given = any("PIPELINE.py" in command for command in commands.values())
+    note = f" (PIPELINE.py: the parent's pipeline file, kept at {new}/pipeline.py)" if given else ""
+    if "replay" in commands:
+        return f"continue it with the parent's replay command under the branch's name{note}: {commands['replay']}"
+    return (f"continue it online with the parent's run command under the branch's name{note}: {commands['online']} "
+            f"(or offline over the parent's rows up to step {step}, --epochs/--steps counting from the parent's "
+            f"step 0: {commands['offline']})")
+
+
+def offline_command(paths: Any, lineage: dict[str, Any], parent_rows: str) -> str:
+    """The ``replay`` command that continues the branch of a run with collectors at ``paths``
+    offline, as ``branch`` printed it: what a refusal to continue it online names."""
+    try:
+        return branch_commands(paths, lineage, parent_rows)["offline"]
+    except (PipelineError, ValueError, OSError):  # the parent's own command, to be completed by hand
+        return shlex.join(["rlhf-pipeline", "replay", "PIPELINE.py", "--buffer", parent_rows, "--home", paths.home,
+                           "--run-name", paths.name]) + " with every --set of the parent"
+

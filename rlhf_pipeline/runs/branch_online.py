@@ -20,10 +20,6 @@ from rlhf_pipeline.storage.continues import continued_rows, write_continued_rows
 # ``run`` imports no torch itself)
 
 
-class OnlineBranchError(RunError):
-    """The branch cannot continue online (the message says why and gives the ``replay`` command)."""
-
-
 def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable[[], str]) -> None:
     """Sets the branch at ``paths`` (a ``RunPaths``: a directory or a URL) up to continue online
     once; ``offline``: the command that continues it offline, for a refusal (made
@@ -39,9 +35,9 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
 
     parent, rows = RunPaths.at(str(lineage["parent"])), lineage.get("buffer_rows") or {}
 
-    def refuse(why: str) -> OnlineBranchError:
-        return OnlineBranchError(f"{paths.location} is a branch of {parent.location} at step {lineage['step']} and "
-                                 f"cannot continue online: {why}; continue it offline with {offline()}")
+    def refuse(why: str) -> RunError:  # says why, and gives the `replay` command that continues it offline
+        return RunError(f"{paths.location} is a branch of {parent.location} at step {lineage['step']} and "
+                        f"cannot continue online: {why}; continue it offline with {offline()}")
 
     reached = run_checkpoints(paths).latest_step()
     if reached is not None and reached > int(lineage["step"]):

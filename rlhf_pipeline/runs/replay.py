@@ -34,14 +34,13 @@ from rlhf_pipeline.pipeline import (
     zarr_where_the_buffer_is_a_url,
 )
 from rlhf_pipeline.runs.branch import half_made_branch, offline_branch_of
-from rlhf_pipeline.runs.devices import check_cuda_device, check_lora_trainable
 from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.launch import how_it_ended, start_ranks, stop_ranks
 from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run, read_parent, run_store_at
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads
 from rlhf_pipeline.runs.replay_options import ReplayOptions
-from rlhf_pipeline.runs.run_directory import hold_run_directory, keep_pipeline_copy, run_lock
-from rlhf_pipeline.runs.setting_changes import settings_changes
+from rlhf_pipeline.runs.run import check_cuda_device, check_lora_trainable
+from rlhf_pipeline.runs.run_directory import hold_run_directory, keep_pipeline_copy, run_lock, settings_changes
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children
 
 # replay options a resumed replay may change: how long it runs
@@ -122,7 +121,10 @@ def _replay(module, settings, pipeline_path: str, options: ReplayOptions, paths:
                                   f"counts them)")
             if saved:
                 _check_source_unchanged(store, saved)
-            batch_size = build_pipeline(module, settings, paths).learner.batch_size
+            try:  # what build_pipeline's Pipeline derives its learner from, without building it twice
+                batch_size = settings.learner_settings().batch_size
+            except ValueError as exc:  # as build_pipeline says it
+                raise PipelineError(f"{type(exc).__name__}: {exc}") from exc
             batches_per_epoch = -(-rows // batch_size)
             steps = options.steps or (options.epochs or 1) * batches_per_epoch
             settings = make_settings(module, cli_overrides + [f"steps={steps}"])
@@ -386,7 +388,7 @@ def initial_policy(pipeline, init_from: str | None, source: str):
     else ``make_policy()`` (a warm start of seconds to minutes), with the reason it is built again."""
     if init_from is not None:
         print(f"[replay] initial policy: {init_from}", file=sys.stderr, flush=True)
-        return load_policy(init_from, pipeline.make_model, what="--init-from")
+        return load_policy(init_from, pipeline, what="--init-from")
     recorded, said = recorded_initial_policy(pipeline, source)
     if recorded is not None:
         print(f"[replay] initial policy: {said}", file=sys.stderr, flush=True)
@@ -439,18 +441,32 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     return model, f"weights version 0 of {run}, the run that recorded the buffer (made with these settings)"
 
 
-def load_policy(location: str, make_model, *, what: str):
+def load_policy(location: str, pipeline, *, what: str, any_causal_lm: bool = False):
     """Weights from a run directory or a run at a URL (its newest published version) or a
-    ``save_pretrained`` directory (``AutoModelForCausalLM.from_pretrained``), copied into ``make_model()``."""
+    ``save_pretrained`` directory (``AutoModelForCausalLM.from_pretrained``), copied into the pipeline's
+    ``make_model()``. ``any_causal_lm`` (a frozen reference, ``--ref-model``): a local ``save_pretrained``
+    directory that is no run is loaded as it is, any causal LM whose vocabulary covers the pipeline's
+    tokenizer."""
     from rlhf_pipeline.models import ModelLoadError, load_model
     from rlhf_pipeline.coordination.weights import latest_version, load_weights
 
     path = Path(location).expanduser()
+    if any_causal_lm and not is_url(location) and latest_version(path) is None and (path / "config.json").is_file():
+        try:
+            model = load_model(path)
+        except ModelLoadError as exc:
+            raise ReplayError(f"{what} {location}: {exc}") from exc
+        vocabulary = model.get_input_embeddings().num_embeddings
+        if pipeline.tokenizer is not None and vocabulary < len(pipeline.tokenizer):
+            raise ReplayError(f"{what} {location} has a vocabulary of {vocabulary} tokens, fewer than the "
+                              f"pipeline's tokenizer ({len(pipeline.tokenizer)}): it cannot score these token ids")
+        print(f"[replay] reference model: {path}", file=sys.stderr, flush=True)
+        return model
     try:
         run = RunPaths.at(location if is_url(location) else path).store
     except RunLocationError as exc:  # an unsupported scheme
         raise ReplayError(f"{what}: {exc}") from None
-    model = make_model()
+    model = pipeline.make_model()
     if latest_version(run) is not None:
         state, version = load_weights(run)
         source = f"run {location} (weights version {version})"
@@ -552,29 +568,8 @@ def _make_rescorer(pipeline, options: ReplayOptions, learner_settings, source: s
               flush=True)
     reference = None
     if options.ref_model is not None:
-        model = load_reference(options.ref_model, pipeline)
+        model = load_policy(options.ref_model, pipeline, what="--ref-model", any_causal_lm=True)
         reference = ReferenceRescorer(model.to(pipeline.settings.device), temperature=learner_settings.temperature,
                                       kl_estimator=options.kl_estimator, kl_coef=options.kl_coef,
                                       pad_token_id=pipeline.pad_token_id)
     return BatchRescorer(advantages, reference)
-
-
-def load_reference(location: str, pipeline):
-    """A frozen reference: a run's newest weights in the pipeline's architecture, or any causal LM
-    from a ``save_pretrained`` directory whose vocabulary covers the pipeline's tokenizer."""
-    from rlhf_pipeline.models import ModelLoadError, load_model
-    from rlhf_pipeline.coordination.weights import latest_version
-
-    path = Path(location).expanduser()
-    if is_url(location) or latest_version(path) is not None or not (path / "config.json").is_file():
-        return load_policy(location, pipeline.make_model, what="--ref-model")
-    try:
-        model = load_model(path)
-    except ModelLoadError as exc:
-        raise ReplayError(f"--ref-model {location}: {exc}") from exc
-    vocabulary = model.get_input_embeddings().num_embeddings
-    if pipeline.tokenizer is not None and vocabulary < len(pipeline.tokenizer):
-        raise ReplayError(f"--ref-model {location} has a vocabulary of {vocabulary} tokens, fewer than the "
-                          f"pipeline's tokenizer ({len(pipeline.tokenizer)}): it cannot score these token ids")
-    print(f"[replay] reference model: {path}", file=sys.stderr, flush=True)
-    return model

@@ -1,10 +1,16 @@
-"""``run``, ``collect`` and ``learn``: the checks, the run directory held, and for ``run`` its children
-started, let go and watched until the learner is done or a signal stops them all. ``run`` imports
-no torch; its learner child prepares the run. ``docs/pipelines.md#start-up``.
+"""``run``, ``collect`` and ``learn``: the checks (what the settings ask of this machine, told
+without torch), the run directory held, and for ``run`` its children started, let go and watched
+until the learner is done or a signal stops them all, and what the run says at its end. ``run``
+imports no torch; its learner child prepares the run. ``docs/pipelines.md#start-up``.
+
+Why one file: a launch reads top to bottom, from its first check to its last line; ``replay``,
+``import`` and the Ray driver take those two ends from here rather than from modules of their own.
 """
 
 from __future__ import annotations
 
+import glob
+import importlib.util
 import os
 import signal
 import sys
@@ -14,6 +20,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.files.log_parts import read_log_records
 from rlhf_pipeline.files.run_paths import run_paths
 from rlhf_pipeline.files.state_files import StateFileError
 from rlhf_pipeline.pipeline import (
@@ -27,7 +34,6 @@ from rlhf_pipeline.pipeline import (
 )
 from rlhf_pipeline.runs import launch
 from rlhf_pipeline.runs.branch import refuse_evicting_parent, start_online
-from rlhf_pipeline.runs.devices import check_cuda_device, check_lora_trainable
 from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.run_directory import (  # RunError and prepare_run stay importable from here
     RunError,
@@ -45,7 +51,6 @@ from rlhf_pipeline.runs.processes import (
     set_threads,
     with_buffer_url,
 )
-from rlhf_pipeline.runs.summary import print_interrupted, print_summary
 from rlhf_pipeline.runs import stopping
 from rlhf_pipeline.runs.stopping import LauncherSignals, StopFlag, stop_children, wait_for_children, wait_quietly
 from rlhf_pipeline.schema.ids import MAX_COLLECTORS
@@ -339,4 +344,93 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
         raise RunError(f"the learner failed ({launch.how_it_ended(learner_code)})")
     raise RunError("; ".join(f"collector {k} failed ({launch.how_it_ended(c)})" for k, c in failed.items()))
 
+
+# ====================================================================== what the settings ask of this machine
+# told without importing torch: a CUDA device (a GPU driver's files) for --device cuda, peft for
+# learner.lora.rank > 0; refused before a child imports torch to find it missing
+
+# NVIDIA's driver (a container given a GPU gets these too), Jetson's integrated GPU, AMD's ROCm (torch
+# answers to "cuda" there), WSL 2's pass-through
+GPU_DRIVER_FILES = ("/dev/nvidiactl", "/proc/driver/nvidia", "/dev/nvhost-ctrl-gpu", "/dev/kfd", "/dev/dxg")
+
+
+def no_cuda_reason(platform: str = sys.platform, root: str = "/") -> str | None:
+    """Why no CUDA device can be used here, or None when one may be. ``root``: where to look for
+    the driver's files (tests)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None and visible.strip() in ("", "-1"):
+        return f"CUDA_VISIBLE_DEVICES={visible!r} hides every GPU from this process"
+    if platform == "darwin":
+        return "macOS has no CUDA"
+    if not platform.startswith("linux"):
+        return None
+    here = [os.path.join(root, path.lstrip("/")) for path in GPU_DRIVER_FILES]
+    if any(os.path.exists(path) for path in here) or glob.glob(os.path.join(root, "dev", "nvidia[0-9]*")):
+        return None
+    return "this machine has no GPU driver (no /dev/nvidia*, /proc/driver/nvidia, /dev/kfd or /dev/dxg)"
+
+
+def check_cuda_device(device: str, what: str = "setting 'device'") -> None:
+    """Raises :class:`PipelineError` when ``device`` is a CUDA device this machine cannot have."""
+    if not str(device).startswith("cuda"):
+        return
+    reason = no_cuda_reason()
+    if reason is not None:
+        raise PipelineError(f"{what} is {device!r} but {reason}; use --device cpu")
+
+
+def check_lora_trainable(lora: Any) -> None:
+    """Raises :class:`PipelineError` when ``lora`` (``learner.lora``) asks for an adapter and peft, which
+    the learner trains it with, is not installed: the learner's process found out with a traceback once
+    the collectors were sampling. A collector needs no peft (it merges adapters with torch alone)."""
+    if lora.enabled and importlib.util.find_spec("peft") is None:
+        raise PipelineError(f"setting 'learner.lora.rank' is {lora.rank}: a LoRA learner trains its adapter with "
+                            f"peft, which is not installed; install it with `pip install -e '.[lora]'` (from a "
+                            f"checkout) or `pip install 'rlhf-pipeline[lora]'`")
+
+
+# ====================================================================== what a finished or interrupted run says
+# its newest checkpoint's step and the reward it reached: printed by the launcher (here or on Ray) once its
+# children are done
+def print_interrupted(paths: RunPaths, signum: int) -> None:
+    """What ``run`` (on this machine or on Ray) says when a signal stopped it: how far the learner's
+    checkpoints reached, and how to resume."""
+    from rlhf_pipeline.learn.checkpoint import run_checkpoints
+
+    reached = run_checkpoints(paths).latest_step()
+    saved = f"the learner's newest checkpoint is at step {reached}; " if reached is not None else ""
+    print(f"[run] interrupted ({signal.Signals(signum).name}); {saved}run the same command again to "
+          f"resume {paths.location}", file=sys.stderr, flush=True)
+
+
+def reward_first_and_last(records: list[dict]) -> tuple[int, float, float]:
+    """The mean training reward of the first and of the last tenth of a run's logged steps (at least
+    one step each), and how many steps a tenth is: what the run's last line reports (NaN without any)."""
+    rewards = [r["charts/reward_mean"] for r in records if "charts/reward_mean" in r]
+    k = max(1, len(rewards) // 10)
+    first = sum(rewards[:k]) / k if rewards else float("nan")
+    last = sum(rewards[-k:]) / k if rewards else float("nan")
+    return k, first, last
+
+
+def print_summary(paths: RunPaths) -> None:
+    records = read_log_records(paths.store, paths.key(paths.metrics))
+    if not records:
+        return
+    k, first, last = reward_first_and_last(records)
+    steps = "step" if k == 1 else f"{k} steps"
+    print(f"[run] done: {records[-1]['step']} learner steps; mean reward {first:.3f} "
+          f"(first {steps}) -> {last:.3f} (last {steps})", file=sys.stderr)
+    from rlhf_pipeline.learn.checkpoint import kept_best
+
+    _, best = kept_best(paths)  # read once the evaluator is done
+    if best is not None:
+        print(f"[run] best checkpoint by {best.metric}: {best.describe()} "
+              f"(rlhf-pipeline export-model {paths.location} OUT --best)", file=sys.stderr)
+    if paths.url is not None:
+        metrics = paths.store.describe(paths.key(paths.metrics))
+        print(f"[run] metrics: {metrics} (parts)  tensorboard: {paths.store.describe('tensorboard')} "
+              f"(uploaded at the end; cached in {paths.tensorboard})", file=sys.stderr)
+        return
+    print(f"[run] metrics: {paths.metrics}  tensorboard: {paths.tensorboard}", file=sys.stderr)
 

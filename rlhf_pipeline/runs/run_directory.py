@@ -1,24 +1,27 @@
 """The run directory's one-time preparation, shared by ``run``, ``collect``, ``learn``, ``replay``
-and the Ray driver: ``settings.json`` checked against a previous start, the pipeline file's
-copy, the buffer shards, and the initial policy published as weights version 0.
+and the Ray driver: ``settings.json`` checked against a previous start, the pipeline file's copy,
+the buffer shards, the initial policy as weights version 0. Each step is idempotent, under one file
+lock (:func:`run_lock`), so processes started side by side agree on one preparation; the command
+that owns the run holds the directory for its whole life (:func:`hold_run_directory`), so a second
+one is refused before it changes anything. Design: docs/pipelines.md#one-command-per-run-directory.
 
-Every step is idempotent and runs under one file lock (:func:`run_lock`), so processes started
-side by side agree on one preparation. The command that owns the run holds the directory for its
-whole life (:func:`hold_run_directory`): a second one is refused before it changes anything.
-Design: docs/pipelines.md#one-command-per-run-directory.
+Why one file: it is a start's one check of a run directory, from who holds it to which settings may
+differ from its rows' (:func:`may_change_on_resume`: a resume and a branch's ``--set`` ask the same).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import socket
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import Any
@@ -28,10 +31,15 @@ from rlhf_pipeline.files.processes import pid_running, processes_with_open
 from rlhf_pipeline.files.run_lease import LeaseHeldError, ObjectLease
 from rlhf_pipeline.files.run_paths import HOME_ENV_VAR
 from rlhf_pipeline.files.run_store import StaleWriterError
-from rlhf_pipeline.files.settings_history import record_resume, saved_settings, settings_in_force
+from rlhf_pipeline.files.settings_history import (
+    flat_settings,
+    record_resume,
+    saved_settings,
+    settings_in_force,
+    trains_with,
+)
 from rlhf_pipeline.pipeline import Pipeline, PipelineError, RunPaths, settings_to_json
 from rlhf_pipeline.runs.pipeline_copy import keep_pipeline_copy
-from rlhf_pipeline.runs.setting_changes import sets_giving_back, settings_changes
 
 
 class RunError(RuntimeError):
@@ -47,14 +55,7 @@ class RunDirectoryBusyError(RunError):
     """Another command (``run``, ``learn``, ``replay``, ``import``) holds the run directory."""
 
 
-class _Holder(AbstractContextManager):
-    """A run's holder lets it go at the end of its ``with``."""
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-
-class RunHolder(_Holder):
+class RunHolder(AbstractContextManager):
     """The one command that owns a run directory while it runs: an exclusive ``flock`` on
     ``run.lock``, taken before the command changes anything and held until it ends.
 
@@ -86,8 +87,11 @@ class RunHolder(_Holder):
         finally:
             os.close(fd)  # closing the last descriptor of the open file unlocks it
 
+    def __exit__(self, *exc) -> None:
+        self.release()
 
-class UrlRunHolder(_Holder):
+
+class UrlRunHolder(AbstractContextManager):
     """The one command that owns a run at a URL: ``run.lock`` there, a lease object
     (``files/run_lease.py``) renewed while the command runs. Its children inherit nothing: when
     the holder dies its lease runs out (or, on the same host, is taken over at once)."""
@@ -104,6 +108,9 @@ class UrlRunHolder(_Holder):
 
     def release(self) -> None:
         self.lease.release()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 def hold_run_directory(paths: RunPaths, command: str) -> RunHolder | UrlRunHolder:
@@ -393,3 +400,96 @@ def _is_store(location: str) -> bool:
         return True
     except NotAStoreError:
         return False  # a prefix a killed create left without its commit record: created again
+
+
+# ====================================================================== settings a start may change
+# a resume (prepare_run_directory, replay) and a branch's --set (runs/branch.py) ask the same
+# may_change_on_resume; settings_changes says what differs, notes what may, and returns what may not.
+# Design: docs/branching.md.
+
+# settings that may change between starts of one run; the training settings (learner.*, max_lag: recorded
+# per resume, files/settings_history.py) and a section's RESUMABLE ones may too, with a note; the rest define
+# the data in the buffer and must match (the buffer's writer lock does not; eval.* says what is evaluated)
+_RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
+
+
+def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
+    """What differs between ``saved`` settings JSON and ``settings``; learner knobs and how the collector
+    reaches its engine may change on resume (the data stays valid): those are printed as a note."""
+    retired = _declared(settings, "REMOVED", "RENAMED")  # a setting gone or renamed since: the rows it saw stand
+    saved, current, defaults = (flat_settings(d) for d in (saved, settings_to_json(settings),
+                                                           _default_settings(settings)))
+    changed = differences(saved, current, [
+        key for key in sorted(saved.keys() | current.keys()) if not _named_by(key, retired)
+        # a setting added to the pipeline since the run started, left at its default
+        and not (key not in saved and key in defaults and current[key] == defaults[key])])
+    allowed = {key for key in changed if may_change_on_resume(key, settings, saved.get(key), current.get(key))}
+    noted = [key for key in changed if key in allowed and (key.split(".")[0] not in _RESUMABLE_SETTINGS
+                                                           or trains_with(key))]
+    if noted:
+        print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
+              file=sys.stderr, flush=True)
+    return [line for key, line in changed.items() if key not in allowed]
+
+
+def differences(was: dict[str, Any], now: dict[str, Any], keys: Iterable[str] | None = None) -> dict[str, str]:
+    """``key: was X, now Y`` (values as ``repr``) by key, for each of ``keys`` (default: every key of
+    either, sorted) whose value differs between the flat settings ``was`` and ``now``."""
+    keys = sorted(was.keys() | now.keys()) if keys is None else keys
+    return {key: f"{key}: was {was.get(key)!r}, now {now.get(key)!r}" for key in keys if was.get(key) != now.get(key)}
+
+
+def as_set_value(value: Any) -> str:
+    """``value`` as ``--set`` spells it (``pipeline.parse_value`` reads it back)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (list, tuple)):
+        return ",".join(as_set_value(v) for v in value)
+    return str(value)
+
+
+def sets_giving_back(saved: dict, refused: list[str]) -> str:
+    """The ``--set`` words that give back the ``saved`` values of the settings ``refused`` names (lines
+    of :func:`settings_changes`): what a start refused for them adds to resume."""
+    flat = flat_settings(saved)
+    keys = [line.split(": was ", 1)[0] for line in refused]
+    return " ".join(f"--set {shlex.quote(f'{key}={as_set_value(flat[key])}')}" for key in keys if key in flat)
+
+
+def may_change_on_resume(key: str, settings: Any, was: Any = None, now: Any = None) -> bool:
+    """Whether a start of a run (a resume, or a branch's ``--set``) may give the dotted setting ``key``
+    another value (``was`` -> ``now``) than the rows so far were made with: the training settings
+    (recorded: files/settings_history.py), the run settings that shape no row (steps, device, Ray,
+    evaluation, lock waits), and how the collector reaches its engine (a section's ``RESUMABLE``:
+    ``generation.url`` from one address to another, not to or from none, which would change the engine)."""
+    if key.split(".")[0] in _RESUMABLE_SETTINGS or trains_with(key):
+        return True
+    return key in _declared(settings, "RESUMABLE") and (key != "generation.url" or None not in (was, now))
+
+
+def _declared(settings: Any, *tables: str, prefix: str = "") -> set[str]:
+    """The dotted names the settings classes of ``settings`` list in their ``tables`` (``REMOVED``,
+    ``RENAMED``, ``RESUMABLE``). A renamed key is not mapped onto its new name: an old value need not mean
+    one value of the new one (``rounds_ahead`` became ``max_lag``); the new name is compared from its default."""
+    names = {prefix + name for table in tables for name in getattr(type(settings), table, ())}
+    for field in dataclasses.fields(settings):
+        value = getattr(settings, field.name)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            names |= _declared(value, *tables, prefix=prefix + field.name + ".")
+    return names
+
+
+def _named_by(key: str, names: set[str]) -> bool:
+    """Whether ``key`` or a section holding it is one of ``names``."""
+    parts = key.split(".")
+    return any(".".join(parts[:end]) in names for end in range(1, len(parts) + 1))
+
+
+def _default_settings(settings: Any) -> dict:
+    """The pipeline's default settings as JSON ({} when its settings class needs arguments)."""
+    try:
+        return settings_to_json(type(settings)())
+    except TypeError:
+        return {}

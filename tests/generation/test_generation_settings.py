@@ -166,7 +166,7 @@ def test_a_removed_setting_is_refused_in_one_line_saying_what_replaced_it(name, 
 def test_a_run_started_with_a_removed_setting_resumes_without_it():
     """settings.json of a run started before a setting went still holds it: resuming compares the rest."""
     from rlhf_pipeline.pipeline import settings_to_json
-    from rlhf_pipeline.runs.setting_changes import settings_changes
+    from rlhf_pipeline.runs.run_directory import settings_changes
 
     settings = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm"])
     saved = settings_to_json(settings)
@@ -182,7 +182,7 @@ def test_a_run_started_with_a_renamed_setting_resumes_and_its_new_name_is_compar
     resumes; its new name is compared from its default, like a setting added since (retries may change
     on resume: said in the note)."""
     from rlhf_pipeline.pipeline import settings_to_json
-    from rlhf_pipeline.runs.setting_changes import settings_changes
+    from rlhf_pipeline.runs.run_directory import settings_changes
 
     settings = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm"])
     saved = settings_to_json(settings)
@@ -203,7 +203,7 @@ def test_a_resume_may_reach_its_engine_elsewhere_but_not_change_which_engine_sam
     waited for a command that could not be given). Going to or from a server, or what the engine
     samples with, is still refused."""
     from rlhf_pipeline.pipeline import settings_to_json
-    from rlhf_pipeline.runs.setting_changes import settings_changes
+    from rlhf_pipeline.runs.run_directory import settings_changes
 
     module = load_pipeline_module(DEFAULT)
     started = ["generation.url=http://10.0.0.1:8000", "generation.start_timeout_s=5"]

@@ -67,7 +67,7 @@ def test_every_reader_of_the_log_skips_a_line_a_kill_cut_short(tmp_path, capsys)
     not the last line of a writer killed mid-write."""
     from rlhf_pipeline.dataio.plots import read_metrics as plotted_metrics
     from rlhf_pipeline.files.run_paths import run_paths
-    from rlhf_pipeline.runs.summary import print_summary
+    from rlhf_pipeline.runs.run import print_summary
 
     paths = run_paths("run", str(tmp_path))
     paths.metrics.parent.mkdir(parents=True)
