@@ -101,14 +101,14 @@ class GenerationSettings:
     start_timeout_s: Annotated[float, Bounds(ge=0, why=" (seconds)")] = 900.0
     """vllm or url: how long the server may take to start (importing vLLM alone took 16-90 s on a busy
     2-core machine; a server at the URL may still be starting) before the collector gives up."""
-    retries: Annotated[int, Bounds(ge=0, why=" (0: one try, never a restart)")] = 5
+    retries: int = 5
     """vllm or url: tries after the first for a request the server did not answer, before the collector
     stops; the collector's own server is restarted (given the weights it held) before each, in a row:
     a request it answers resets the count. 0: never."""
-    backoff_s: Annotated[float, Bounds(ge=0, why=" (seconds)")] = 1.0
+    backoff_s: float = 1.0
     """vllm or url: pause before the first retry (or restart), doubled for each further one (at most
     30 s for a server at a URL, 60 s for a restart)."""
-    timeout_s: Annotated[float | None, Bounds(gt=0, why=" (seconds)")] = 600.0
+    timeout_s: float | None = 600.0
     """vllm or url: longest wait for one reply (a prompt's completions, a weight load); the collector's
     own server that does not answer within it hangs, and is killed and restarted. none: wait for ever."""
     url: str | None = None
@@ -153,6 +153,7 @@ class GenerationSettings:
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"setting 'generation.url' must be an http:// or https:// URL (http://host:port), got "
                              f"{self.url!r}")
+        self.engine_retries()  # refuses each by name
 
     def engine_retries(self) -> Retries:
         """``retries``, ``backoff_s`` and ``timeout_s`` as a server's client uses them."""

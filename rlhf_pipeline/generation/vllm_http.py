@@ -75,6 +75,18 @@ class Retries:
     in_a_row: int = 0
     """Restarts since the server last answered."""
 
+    def __post_init__(self) -> None:
+        # here, not as Bounds on GenerationSettings: a value for an engine that does not take it is
+        # refused first as one to drop (GenerationSettings.__post_init__), whatever it is
+        if self.retries < 0:
+            raise ValueError(f"setting 'generation.retries' must be >= 0 (0: one try, never a restart), "
+                             f"got {self.retries}")
+        if not self.backoff_s >= 0:
+            raise ValueError(f"setting 'generation.backoff_s' must be >= 0 (seconds), got {self.backoff_s}")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"setting 'generation.timeout_s' must be > 0 (seconds) or none (wait for ever), "
+                             f"got {self.timeout_s}")
+
     @property
     def reply_timeout_s(self) -> float:
         return self.timeout_s if self.timeout_s is not None else 10**9
