@@ -363,6 +363,8 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
         # the initial policy before settings.json: a --init-from that does not fit leaves nothing behind
         model = (initial_policy(pipeline, options.init_from, record["buffer"])
                  if latest_version(paths.store) is None else None)
+        if model is not None:  # a new replay: what it will train must be rows this model can embed
+            _check_token_ids_fit(record["buffer"], model)
         if recorded is None:
             text = json.dumps({**(saved or settings_to_json(pipeline.settings)), "replay": record}, indent=2,
                               sort_keys=True).encode()
@@ -405,6 +407,44 @@ _NOT_THE_INITIAL_POLICY = {"learner", "steps", "device", "ray", "eval", "max_lag
                            "generation"}
 
 
+def _recording_run(source: str) -> str | None:
+    """The run whose ``buffer/`` (or shard of it) is ``source``, or None."""
+    location = resolved_location(str(Path(source).expanduser()) if not is_url(source) else source).rstrip("/")
+    buffers = (location, location.rpartition("/")[0])  # the buffer, or the buffer of a shard given
+    return next((b.rpartition("/")[0] for b in buffers if b.rpartition("/")[2] == "buffer"
+                 and is_run(b.rpartition("/")[0])), None)
+
+
+def _check_token_ids_fit(source: str, model) -> None:
+    """Refuses, before ``settings.json`` is written, a buffer holding a token id ``model`` cannot embed:
+    rows recorded with another tokenizer (another pipeline's run) stopped the first step with an
+    ``IndexError`` in the embedding, and the replay directory left behind refused the corrected command
+    as "started with other settings". Reads every row's ids once (a fitting buffer) or up to the first
+    storage unit holding one."""
+    from rlhf_pipeline.storage.token_ids import first_outside
+
+    vocab_size = model.get_input_embeddings().num_embeddings
+    began = said = time.monotonic()
+
+    def progress(done: int, total: int) -> None:  # a line every 10 s: about 2M rows of memmap, 0.5M of Zarr
+        nonlocal said
+        if time.monotonic() - said >= 10.0 and done < total:
+            said = time.monotonic()
+            print(f"[replay] token ids checked in {done}/{total} storage units ({said - began:.0f} s)",
+                  file=sys.stderr, flush=True)
+
+    with _open_source(source) as store:
+        bad = first_outside(store, vocab_size, progress)
+    if bad is None:
+        return
+    run = _recording_run(source)
+    instead = (f"replay it with the pipeline that recorded it (the copy its run keeps: {run}/pipeline.py)"
+               if run is not None else "replay it with a pipeline whose tokenizer and model recorded it")
+    raise ReplayError(f"--buffer {source}: trajectory {bad['trajectory_id']} (group {bad['group_id']}) holds token "
+                      f"id {bad['token']} in {bad['field']}, outside this pipeline's model's vocabulary of "
+                      f"{vocab_size}: its rows were tokenized for another model; {instead}")
+
+
 def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     """``(model, what it is)``: weights version 0 of the run whose ``buffer/`` (or shard of it) is
     ``source``, in ``make_model()``, when that run still holds it (a run keeps it until its learner's
@@ -412,10 +452,7 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     replay's settings, so ``make_policy()`` would build those weights again; else ``(None, why not)``."""
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
 
-    location = resolved_location(str(Path(source).expanduser()) if not is_url(source) else source).rstrip("/")
-    buffers = (location, location.rpartition("/")[0])  # the buffer, or the buffer of a shard given
-    run = next((b.rpartition("/")[0] for b in buffers if b.rpartition("/")[2] == "buffer"
-                and is_run(b.rpartition("/")[0])), None)
+    run = _recording_run(source)
     if run is None:
         return None, f"{source} is no run's buffer/ (no initial weights beside it)"
     store = run_store_at(run)

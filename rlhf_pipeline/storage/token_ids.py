@@ -43,28 +43,46 @@ def bad_groups(store, vocab_size: int, progress: Progress | None = None) -> list
     """The groups of ``store`` (an open :class:`~rlhf_pipeline.storage.base.TrajectoryStore`) whose
     rows hold a token id outside ``[0, vocab_size)``, in row order."""
     found: dict[int, list[tuple[int, str, int]]] = {}
-    units = store.unit_bounds()
-    for done, (start, stop) in enumerate(units, 1):
-        positions = torch.arange(start, stop, dtype=torch.int64)
-        batch = store.read(positions, fields=("group_id", *TOKEN_FIELDS))
-        for field in TOKEN_FIELDS:
-            ragged = batch[field]
-            outside = (ragged.values < 0) | (ragged.values >= vocab_size)
-            if not bool(outside.any()):
-                continue
-            row_of_value = torch.repeat_interleave(torch.arange(len(ragged)), ragged.lengths())
-            for index in torch.nonzero(outside).flatten().tolist():
-                k = int(row_of_value[index])
-                found.setdefault(int(batch["group_id"][k]), []).append(
-                    (store.first_row + start + k, field, int(ragged.values[index])))
-        if progress is not None:
-            progress(done, len(units))
+    for start, batch, field, outside in _units_outside(store, vocab_size, progress):
+        ragged = batch[field]
+        row_of_value = torch.repeat_interleave(torch.arange(len(ragged)), ragged.lengths())
+        for index in torch.nonzero(outside).flatten().tolist():
+            k = int(row_of_value[index])
+            found.setdefault(int(batch["group_id"][k]), []).append(
+                (store.first_row + start + k, field, int(ragged.values[index])))
     groups = []
     for group_id, hits in found.items():
         rows = tuple(sorted({row for row, _, _ in hits}))
         row, field, token = min(hits)
         groups.append(BadGroup(group_id, rows, row, field, token))
     return sorted(groups, key=lambda group: group.rows[0])
+
+
+def first_outside(store, vocab_size: int, progress: Progress | None = None) -> dict[str, int | str] | None:
+    """A row of the first storage unit of ``store`` that holds a token id outside ``[0, vocab_size)``:
+    its ``group_id``, ``trajectory_id``, the ``field`` and the ``token``; None when every id fits. Reads
+    no further than that unit (a buffer of another tokenizer has one in its first)."""
+    for _, batch, field, outside in _units_outside(store, vocab_size, progress, fields=("trajectory_id",)):
+        ragged = batch[field]
+        index = int(torch.nonzero(outside).flatten()[0])
+        k = int(torch.searchsorted(torch.cumsum(ragged.lengths(), 0), index, right=True))
+        return {"group_id": int(batch["group_id"][k]), "trajectory_id": int(batch["trajectory_id"][k]),
+                "field": field, "token": int(ragged.values[index])}
+    return None
+
+
+def _units_outside(store, vocab_size: int, progress: Progress | None, fields: tuple[str, ...] = ()):
+    """``(unit start, its rows, token field, mask of its ids outside the vocabulary)`` for each field of each
+    storage unit holding such an id, read one unit at a time (``progress`` after each)."""
+    units = store.unit_bounds()
+    for done, (start, stop) in enumerate(units, 1):
+        batch = store.read(torch.arange(start, stop, dtype=torch.int64), fields=("group_id", *fields, *TOKEN_FIELDS))
+        for field in TOKEN_FIELDS:
+            outside = (batch[field].values < 0) | (batch[field].values >= vocab_size)
+            if bool(outside.any()):
+                yield start, batch, field, outside
+        if progress is not None:
+            progress(done, len(units))
 
 
 def find_bad_groups(location: str, vocab_size: int,

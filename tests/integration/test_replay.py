@@ -263,6 +263,23 @@ def test_a_source_without_rows_is_refused_naming_it_and_nothing_is_made(home, so
         assert not (home / "from-no-rows").exists()
 
 
+def test_rows_of_another_tokenizer_are_refused_before_the_run_directory_is_made(home, source, tmp_path):
+    """A buffer whose token ids the pipeline's model cannot embed (a run of another pipeline, replayed with
+    this one): the first step died with an IndexError in the embedding, and the replay directory it left
+    refused the corrected command as "started with other settings". Now refused naming a row, its id and
+    the vocabulary, with nothing made; the corrected command under the same name then runs."""
+    foreign = synthetic_batch(32, group_size=4, prompt_len=(3, 8), response_len=(1, 6), seed=3,
+                              optional_fields=("advantage",), vocab_size=4 * VOCAB)
+    assert int(foreign["response_tokens"].values.max()) >= VOCAB  # ids this model has no embedding for
+    buffer = record(tmp_path / "foreign", foreign)
+    with pytest.raises(ReplayError, match=rf"--buffer {buffer}: trajectory \d+ \(group \d+\) holds token id \d+ "
+                                          rf"in \w+_tokens, outside this pipeline's model's vocabulary of {VOCAB}"):
+        replay(home, "from-another-tokenizer", buffer, steps=1)
+    assert not (home / "from-another-tokenizer").exists()
+    run = replay(home, "from-another-tokenizer", source, steps=1)
+    assert len(losses(run)) == 1
+
+
 def test_a_resumed_replay_must_match_how_it_started(home, source, reference_run):
     with pytest.raises(ReplayError, match=r"other settings \(--order: was 'shuffle', now 'sequential'\)"):
         replay(home, "reference", source, epochs=3, seed=7, order="sequential")
