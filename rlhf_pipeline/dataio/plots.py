@@ -31,9 +31,11 @@ class Chart:
     ylabel: str
     series: tuple[tuple[str, str], ...]  # (metric key, label); the first solid, the others dashed, dotted...
     runs: str = "all"  # which runs it draws: "all", "live" (runs that generate) or "replay"
+    needs: tuple[str, ...] = ()  # keys of which a run must have a point to be drawn (an evaluation's scores)
 
     def draws(self, run: RunMetrics) -> bool:
-        return self.runs in ("all", run.kind)
+        return self.runs in ("all", run.kind) and (
+            not self.needs or any(_series(run.records, key) is not None for key in self.needs))
 
 
 @dataclass(frozen=True)
@@ -86,9 +88,10 @@ def eval_charts(data: dict[str, RunMetrics]) -> list[Chart]:
     charts = []
     for name, keys in sorted(found.items()):
         ordered = sorted(keys, key=lambda k: (k.endswith("mean_score"), k))  # pass@1, pass@k, then mean_score
+        # a run evaluated on other sets only would add its training reward alone
         charts.append(Chart(f"eval_{name}", f"Held-out {name} beside the training reward", "score / mean reward",
                             (("charts/reward_mean", "training reward"),
-                             *((key, f"held-out {key.rsplit('/', 1)[1]}") for key in ordered))))
+                             *((key, f"held-out {key.rsplit('/', 1)[1]}") for key in ordered)), needs=tuple(ordered)))
     return charts
 
 

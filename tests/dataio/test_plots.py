@@ -191,6 +191,13 @@ def test_a_runs_held_out_scores_are_charted_beside_its_training_reward_on_the_sa
         key = f"eval/held_out-k2-t1-n8/{stat}"
         assert drawn[f"r (held-out {stat})"] == ([0, 2, 4], [r[key] for r in evaluated])  # the same step axis
     assert [r["step"] for r in evaluated] == [0, 2, 4]
+    # beside a run not evaluated on that set: the chart is the evaluated run's alone (the other added its
+    # training reward, a line with no held-out score to read it against)
+    both = load_runs([run, plain])
+    (chart,) = [c for c in charts_to_draw(both) if c.name.startswith("eval_")]
+    assert {line.get_label() for line in chart_figure(chart, both).axes[0].get_lines()} == set(lines)
+    reward = next(c for c in charts_to_draw(both) if c.name == "reward")
+    assert {line.get_label() for line in chart_figure(reward, both).axes[0].get_lines()} == {"r", "plain"}
 
 
 def test_a_resume_with_other_training_settings_is_marked_at_its_step(tmp_path):
