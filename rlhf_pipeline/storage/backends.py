@@ -112,7 +112,7 @@ def detect_backend(location: str) -> str:
             return name
     if (run_buffer := buffer_inside(location)) is not None:
         raise NotAStoreError(f"{location} is not a replay buffer but holds one: did you mean {run_buffer}? (in "
-                             f"Python, open_buffer reads a run's buffer)")
+                             f"Python, open_buffer({str(run_buffer)!r}) reads it, all its shards)")
     if runs := runs_inside(location):
         named = ", ".join(runs[:4]) + (f" and {len(runs) - 4} more" if len(runs) > 4 else "")
         raise NotAStoreError(f"{location} is a directory of runs ({named}), not a buffer: give one of them, e.g. "

@@ -159,6 +159,19 @@ def test_union_is_read_only_and_layouts_are_told_apart(two_shards, tmp_path):
         open_buffer(buffer)
 
 
+def test_a_run_directory_opened_as_a_buffer_is_refused_with_the_call_that_reads_its_buffer(two_shards):
+    """It said "(in Python, open_buffer reads a run's buffer)", read as open_buffer taking the run: the
+    call that was refused. The call it names now reads the run's buffer, every shard."""
+    import re
+
+    buffer, _ = two_shards
+    with pytest.raises(NotAStoreError, match="is not a replay buffer but holds one") as refused:
+        open_buffer(buffer.parent)
+    call = re.search(r"open_buffer\('([^']+)'\)", str(refused.value))
+    with open_buffer(call[1]) as union:
+        assert len(union) == 32
+
+
 def test_torchrl_replay_buffer_and_learner_sampler_see_every_shard(two_shards):
     buffer, writers = two_shards
     union = open_buffer(buffer)
