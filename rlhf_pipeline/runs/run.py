@@ -310,7 +310,9 @@ def _run_both(paths: RunPaths, collectors: int, children, holder_lost: Callable[
                 # a collector died: stop the learner (it checkpoints) and the other collectors
                 stop_children(stop_write, processes, signals, bounded)
                 raise RunError(f"{bounded[p][0]} ended early ({launch.how_it_ended(code)}). The learner saved a "
-                               f"checkpoint: once the cause is fixed, the same command resumes the run")
+                               f"checkpoint: once the cause is fixed, the same command resumes the run (a fix in "
+                               f"the pipeline file is refused first, as a change to what the run trains, with "
+                               f"how to go on with it)")
             time.sleep(0.2)
         if signals.received:
             stop_children(stop_write, processes, signals, bounded)

@@ -200,6 +200,21 @@ def test_a_reward_that_answers_wrongly_mid_run_stops_it_in_one_line_naming_the_f
     assert len(stopped) == 1 and stopped[0].endswith(" completions; return one per completion"), out[-3000:]
     assert "reward 'toy' returned " in stopped[0]
     assert "the collector ended early" in out and "[learner] stopped at step" in out, out[-3000:]
+    assert "a fix in the pipeline file is refused first" in out, out[-3000:]
+
+    # the fix is in the pipeline file: the same command is refused as a change to what the run trains,
+    # saying how to go on; done so, the run resumes from the learner's checkpoint and ends
+    breaks.write_text(Path(DEFAULT).read_text())
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(breaks), "--home", str(tmp_path),
+               "--steps", "20", *FAST]
+    refused = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    copy = tmp_path / "breaks" / "pipeline.py"
+    assert refused.returncode == 2 and f"to go on with the changed files, remove {copy} and start again" in \
+        refused.stderr, refused.stderr[-3000:]
+    copy.unlink()
+    resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and "[learner] resuming from " in resumed.stderr, resumed.stderr[-3000:]
+    assert "[run] done: 20 learner steps" in resumed.stderr, resumed.stderr[-3000:]
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to run", "Ctrl-C to the group"])
