@@ -68,8 +68,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     from rlhf_pipeline.dataio.model_export import available_versions, run_at, version_state
     from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
     from rlhf_pipeline.pipeline import PipelineError, apply_overrides
-    from rlhf_pipeline.runs.processes import eval_main, eval_sets_of
-    from rlhf_pipeline.runs.processes import set_threads
+    from rlhf_pipeline.runs.processes import eval_main, eval_sets_of, set_threads
     from rlhf_pipeline.runs.stopping import StopFlag
 
     paths = run_at(args.run_dir)

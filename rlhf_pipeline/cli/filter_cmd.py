@@ -144,13 +144,11 @@ def _retention_of_its_run(source: str) -> str | None:
     """The retention rules of the run whose buffer (or shard) ``source`` is, as its ``inspect`` words them;
     None when it is no run's buffer or its run keeps every row."""
     from rlhf_pipeline.files.settings_history import saved_settings
-    from rlhf_pipeline.runs.lineage import is_run, run_store_at
+    from rlhf_pipeline.runs.lineage import run_recording, run_store_at
     from rlhf_pipeline.storage.retention import RetentionSettings
 
-    if "/buffer" not in source:
-        return None
-    run = source.rsplit("/buffer", 1)[0]
-    if not is_run(run):
+    run = run_recording(source)
+    if run is None:
         return None
     retention = RetentionSettings.from_json((saved_settings(run_store_at(run)) or {}).get("retention"))
     return f"retention.{retention.describe()}" if retention.enabled else None

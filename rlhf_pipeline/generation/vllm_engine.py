@@ -41,7 +41,8 @@ WHAT = {"/v1/completions": "sampling", "/collective_rpc": "loading weights", "/r
 class OwnedServer:
     """The server a :class:`VLLMEngine` starts (healthy once this returns), and its replacement when it
     dies: the client's ``supervisor`` (``vllm_http.JsonClient``), whose ``base_url`` is always the live
-    server's and ``generation`` how many servers were started before it (a request remembers it when sent). ``reload``: gives a new server the held weights (a ``weakref.WeakMethod``: the engine it
+    server's and ``generation`` how many servers were started before it (a request remembers it when
+    sent). ``reload``: gives a new server the held weights (a ``weakref.WeakMethod``: the engine it
     calls stays collectable while the server lives). ``own_work_dir``: ``work_dir`` is a
     scratch directory of its own, removed at :meth:`stop` (and when the first start fails)."""
 

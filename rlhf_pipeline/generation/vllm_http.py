@@ -5,7 +5,8 @@ A request the server does not answer (refused, reset, timed out, cut short) or a
 502, 503, 504) is asked again after a doubling pause, then :class:`ServerUnreachable`; safe, since every
 request is whole and seeded. Another HTTP error is :class:`ServerError` at once; a reply that is not
 JSON or that the caller's ``check`` refuses is a ``BadAnswer``, asked again, then said. With a
-``supervisor`` (a server of ours, ``vllm_engine.OwnedServer``), an unanswered request first lets it replace a dead server.
+``supervisor`` (a server of ours, ``vllm_engine.OwnedServer``), an unanswered request first lets it
+replace a dead server.
 Design: docs/generation.md#a-vllm-server-you-started-generationurl ("A server that stops answering").
 """
 

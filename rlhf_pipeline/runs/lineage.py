@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rlhf_pipeline.files.atomic import json_object
-from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths, resolved_location
+from rlhf_pipeline.files.run_paths import RunLocationError, RunPaths, is_url, resolved_location
 from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.files.settings_history import history_entries
 from rlhf_pipeline.files.state_files import StateFileError
@@ -84,6 +84,15 @@ def buffer_of_run(location: str) -> str | None:
         raise KeepsNoBuffer(f"{location} is a replay of {settings['replay'].get('buffer')}, which keeps no buffer "
                             f"of its own: give that buffer")
     return str(settings.get("buffer_url") or RunPaths.at(resolved_location(location)).buffer_location).rstrip("/")
+
+
+def run_recording(buffer: str) -> str | None:
+    """The run whose ``buffer/`` (or a shard of it) is ``buffer`` (a path or a URL), or None: what
+    :func:`buffer_of_run` gives, read the other way."""
+    location = resolved_location(buffer if is_url(buffer) else str(Path(buffer).expanduser())).rstrip("/")
+    buffers = (location, location.rpartition("/")[0])  # the buffer, or the buffer of a shard given
+    return next((b.rpartition("/")[0] for b in buffers if b.rpartition("/")[2] == "buffer"
+                 and is_run(b.rpartition("/")[0])), None)
 
 
 def read_parent(run: str | Path | RunStore) -> dict[str, Any] | None:

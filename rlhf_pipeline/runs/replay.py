@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlhf_pipeline.files.run_paths import RunLocationError, is_url, resolved_location, run_paths
+from rlhf_pipeline.files.run_paths import RunLocationError, is_url, run_paths
 from rlhf_pipeline.files.run_store import StaleWriterError
 from rlhf_pipeline.files.settings_history import record_resume, saved_settings, settings_in_force
 from rlhf_pipeline.pipeline import (
@@ -36,7 +36,7 @@ from rlhf_pipeline.pipeline import (
 from rlhf_pipeline.runs.branch import half_made_branch, offline_branch_of
 from rlhf_pipeline.runs.forking import ForkError
 from rlhf_pipeline.runs.launch import how_it_ended, start_ranks, stop_ranks
-from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, is_run, read_parent, run_store_at
+from rlhf_pipeline.runs.lineage import KeepsNoBuffer, buffer_of_run, read_parent, run_recording, run_store_at
 from rlhf_pipeline.runs.processes import build_pipeline, set_threads
 from rlhf_pipeline.runs.replay_options import ReplayOptions
 from rlhf_pipeline.runs.run import check_cuda_device, check_lora_trainable
@@ -407,14 +407,6 @@ _NOT_THE_INITIAL_POLICY = {"learner", "steps", "device", "ray", "eval", "max_lag
                            "generation"}
 
 
-def _recording_run(source: str) -> str | None:
-    """The run whose ``buffer/`` (or shard of it) is ``source``, or None."""
-    location = resolved_location(str(Path(source).expanduser()) if not is_url(source) else source).rstrip("/")
-    buffers = (location, location.rpartition("/")[0])  # the buffer, or the buffer of a shard given
-    return next((b.rpartition("/")[0] for b in buffers if b.rpartition("/")[2] == "buffer"
-                 and is_run(b.rpartition("/")[0])), None)
-
-
 def _check_token_ids_fit(source: str, model) -> None:
     """Refuses, before ``settings.json`` is written, a buffer holding a token id ``model`` cannot embed:
     rows recorded with another tokenizer (another pipeline's run) stopped the first step with an
@@ -437,7 +429,7 @@ def _check_token_ids_fit(source: str, model) -> None:
         bad = first_outside(store, vocab_size, progress)
     if bad is None:
         return
-    run = _recording_run(source)
+    run = run_recording(source)
     instead = (f"replay it with the pipeline that recorded it (the copy its run keeps: {run}/pipeline.py)"
                if run is not None else "replay it with a pipeline whose tokenizer and model recorded it")
     raise ReplayError(f"--buffer {source}: trajectory {bad['trajectory_id']} (group {bad['group_id']}) holds token "
@@ -452,7 +444,7 @@ def recorded_initial_policy(pipeline, source: str) -> tuple[Any, str]:
     replay's settings, so ``make_policy()`` would build those weights again; else ``(None, why not)``."""
     from rlhf_pipeline.coordination.weights import load_weights, published_versions
 
-    run = _recording_run(source)
+    run = run_recording(source)
     if run is None:
         return None, f"{source} is no run's buffer/ (no initial weights beside it)"
     store = run_store_at(run)

@@ -65,7 +65,7 @@ def first_outside(store, vocab_size: int, progress: Progress | None = None) -> d
     for _, batch, field, outside in _units_outside(store, vocab_size, progress, fields=("trajectory_id",)):
         ragged = batch[field]
         index = int(torch.nonzero(outside).flatten()[0])
-        k = int(torch.searchsorted(torch.cumsum(ragged.lengths(), 0), index, right=True))
+        k = int(torch.searchsorted(ragged.offsets, index, right=True)) - 1
         return {"group_id": int(batch["group_id"][k]), "trajectory_id": int(batch["trajectory_id"][k]),
                 "field": field, "token": int(ragged.values[index])}
     return None
