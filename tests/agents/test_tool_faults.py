@@ -224,7 +224,8 @@ def test_calls_that_end_after_their_round_count_in_no_round(bpe_tokenizer):
             return StepResult(reward=1.0, done=True)
 
     sample = scripted_sampler(bpe_tokenizer, ["hi"])
-    first = rollout([{"round": 1}], Env, sample, bpe_tokenizer, RolloutConfig(group_size=1, step_timeout_s=0.3))
+    # 3 s: the step's thread must start its call in time on a loaded machine (the call itself never ends in it)
+    first = rollout([{"round": 1}], Env, sample, bpe_tokenizer, RolloutConfig(group_size=1, step_timeout_s=3.0))
     # the second round's step must end in time: a limit no loaded machine reaches
     second = rollout([{"round": 2}], Env, sample, bpe_tokenizer, RolloutConfig(group_size=1, step_timeout_s=60.0))
     box.close()

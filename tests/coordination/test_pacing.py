@@ -77,12 +77,12 @@ def test_pacing_through_a_run_store_reads_once_per_reread_interval(tmp_path):
 
     store = LocalRunStore(tmp_path / "run")
     learner = PacingPublisher("pacing.json", store=store)
-    pacer = CollectorPacer("pacing.json", "shard-0000", max_lag=1, round_rows=ROUND, store=store, reread_s=0.2)
+    pacer = CollectorPacer("pacing.json", "shard-0000", max_lag=1, round_rows=ROUND, store=store, reread_s=60.0)
     learner.publish(LearnerIntake(step=1, draws=1, consumed={"shard-0000": 8}, next_draw_rows=8))
     assert pacer.may_collect(15) and not pacer.may_collect(16)
     learner.publish(LearnerIntake(step=2, draws=2, consumed={"shard-0000": 16}, next_draw_rows=8))
     assert not pacer.may_collect(16)  # the intake read a moment ago
-    time.sleep(0.25)
+    pacer._read_at -= pacer.reread_s  # the interval has passed (no sleep a loaded machine could stretch)
     assert pacer.may_collect(16) and not pacer.may_collect(24)
     assert (tmp_path / "run" / "pacing.json").is_file()
 
@@ -95,8 +95,26 @@ def test_a_collector_alone_is_unpaced_until_a_learner_publishes(tmp_path):
     assert alone.may_collect(15) and not alone.may_collect(16)  # a learner came: paced from now on
 
 
-def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path):
+class _Clock:
+    """``time`` for the pacing module, whose wall clock a test moves: a loaded machine cannot stretch
+    the gap between two calls that the test needs within ``WAITING_RENEW_S``."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def time(self) -> float:
+        return self.now
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+
+def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path, monkeypatch):
     """The last resort against a deadlock: the learner needs more than it said it would."""
+    from rlhf_pipeline.coordination import pacing
+
+    clock = _Clock()
+    monkeypatch.setattr(pacing, "time", clock)
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=0))
@@ -105,12 +123,13 @@ def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path):
     assert not pacer.may_collect(16)
     learner.waiting()
     since = read_intake(path).waiting_since
+    clock.now += WAITING_RENEW_S / 2
     learner.waiting()  # the time it began stays; a renewal comes at most every WAITING_RENEW_S
     assert read_intake(path).waiting_since == since and read_intake(path).waiting_seen == since
     assert not pacer.may_collect(16)
-    time.sleep(0.3)
+    clock.now += 0.3
     assert not pacer.may_collect(16)  # waited, but the learner has not said it still waits
-    time.sleep(WAITING_RENEW_S)
+    clock.now += WAITING_RENEW_S
     learner.waiting()
     assert read_intake(path).waiting_since == since
     assert pacer.may_collect(16)

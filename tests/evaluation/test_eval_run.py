@@ -152,7 +152,9 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
         except (StoreNotFoundError, NotAStoreError, OSError):  # not made, or made but not published yet
             return False
         try:
-            return 0 < len(store) < 160
+            # an append or more before version 0's last: seen at 128, the evaluator could finish the version
+            # while a loaded machine takes the kill to it
+            return 0 < len(store) <= 96
         finally:
             store.close()
 

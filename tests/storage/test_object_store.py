@@ -121,17 +121,19 @@ def test_a_writer_killed_mid_append_loses_no_published_row_and_the_next_resumes(
 
 def test_the_lock_refuses_a_live_writer_and_a_taken_over_writer_publishes_nothing(server):
     url, options = server.url(), server.options
-    first = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=options, lock_lease_s=1)
+    # a lease of 3 s, renewed every 1 s: the server dates the lock in whole seconds, so a shorter one
+    # could read as run out whenever a loaded machine held one renewal back by half a second
+    first = ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=options, lock_lease_s=3)
     first.append(checksummed_batch(0, 4))
-    time.sleep(2.5)  # past the lease: renewals keep it
-    with pytest.raises(StoreLockedError, match=r"already open for writing by process \d+ on .*lease: 1 s"):
-        ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_lease_s=1)
+    time.sleep(4)  # past the lease: renewals keep it
+    with pytest.raises(StoreLockedError, match=r"already open for writing by process \d+ on .*lease: 3 s"):
+        ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_lease_s=3)
 
     # the first writer stops renewing (a process paused, a partition) and its lease runs out
     first._lock._stop.set()
     first._lock._thread.join()
-    time.sleep(2.5)  # the server's clock has whole seconds
-    second = ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_lease_s=1)
+    time.sleep(4.5)  # the lease and a second more: the server's clock has whole seconds
+    second = ZarrTrajectoryStore.open(url, "a", storage_options=options, lock_lease_s=3)
     second.append(checksummed_batch(4, 4))
     with pytest.raises(StoreLockedError, match="another writer replaced the commit record"):
         first.append(checksummed_batch(4, 6))  # fenced: its publish fails, its rows stay invisible

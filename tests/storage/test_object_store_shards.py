@@ -166,11 +166,13 @@ def test_a_writer_waits_out_the_lease_of_one_that_died_on_another_machine(s3_ser
 def test_a_live_writer_keeps_its_lock_through_a_waiting_writer(s3_server):
     url = s3_server.url()
     with ZarrTrajectoryStore.create(url, StoreSchema(), segment_rows=16, storage_options=s3_server.options,
-                                    lock_lease_s=1.5) as holder:
+                                    lock_lease_s=3) as holder:
         started = time.monotonic()
-        with pytest.raises(StoreLockedError, match=r"waited 2 s for it: lock_wait_s"):
-            ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options, lock_wait_s=2)
-        assert time.monotonic() - started >= 2  # renewed every 0.5 s: never abandoned
+        # the server dates the lock in whole seconds: with a lease of 3 s (renewed every 1 s) a loaded
+        # machine must hold a renewal back ~2 s before the waiter may take the lock for abandoned
+        with pytest.raises(StoreLockedError, match=r"waited 4 s for it: lock_wait_s"):
+            ZarrTrajectoryStore.open(url, "a", storage_options=s3_server.options, lock_wait_s=4)
+        assert time.monotonic() - started >= 4  # longer than the lease, renewed: never abandoned
         holder.append(checksummed_batch(0, 4))  # still the writer: not fenced
         assert len(holder) == 4
 
