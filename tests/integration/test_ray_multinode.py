@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,7 @@ import torch
 from integration.run_location import logged, trained
 from integration.test_processes import LABELS, command_at, rows_of
 
+from rlhf_pipeline.coordination.pacing import read_intake
 from rlhf_pipeline.coordination.weights import load_weights
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
 
@@ -201,6 +203,14 @@ def _wait_until(condition, run: subprocess.Popen, timeout: float):
     return None
 
 
+def learner_step(run_url: str) -> int:
+    """The step of the newest batch the learner took in (``pacing.json``, written as it takes each one).
+    The metrics log at a URL is uploaded every few seconds and at checkpoints: by the time it showed a
+    step, the learner had once trained to the last step, and the loss of its node came too late."""
+    intake = read_intake("pacing.json", store=ObjectRunStore(run_url))
+    return 0 if intake is None else intake.step
+
+
 def newest_weights(run_url: str) -> dict:
     return load_weights(ObjectRunStore(run_url))[0]
 
@@ -235,7 +245,7 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
             # each on a worker node of its own, which it knows by its own cache only
             assert collector_cache in on_node and learner_cache in on_node and collector_cache != learner_cache
             lost, learner_node = on_node[collector_cache], on_node[learner_cache]
-            killed_at = len(logged(run_url))
+            killed_at = learner_step(run_url)
             lost_at = time.monotonic()
             nodes.kill(lost)
             # a machine joins in place of the lost one while Ray notices the loss (the collector
@@ -243,15 +253,18 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
             nodes.start("node_new", cpus=1)
             collector_moved_to = _wait_until(lambda: moved("CollectorActor", collector_cache), run, 120)
             print(f"[multinode] the collector runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
-            # the learner's node goes as soon as the run trained on: while the new node joins, the
-            # learner trains on rows written ahead, and once (its workers at nice 0, tests/conftest.py)
-            # it trained to the last step before its node was lost
-            _wait_until(lambda: len(logged(run_url)) > killed_at, run, 240)
-            learner_killed_at = len(logged(run_url))
+            # the learner's node goes as soon as the run trained on (rows written ahead, or the moved
+            # collector's), told by the learner's own intake: every step after it needs a new round
+            _wait_until(lambda: learner_step(run_url) > killed_at, run, 240)
+            learner_killed_at = learner_step(run_url)
             lost_at = time.monotonic()
             nodes.kill(learner_node)
-            nodes.wait_for(["node_new"])  # where the learner can restart: a node with a whole CPU free
-            learner_moved_to = _wait_until(lambda: moved("LearnerActor", learner_cache), run, 120)
+            # looked for from the kill on: on a loaded machine the learner restarted, resumed and
+            # trained to the end in the ~15 s that `ray status` took to list the new node
+            with ThreadPoolExecutor(1) as looking:
+                learner_moved = looking.submit(_wait_until, lambda: moved("LearnerActor", learner_cache), run, 120)
+                nodes.wait_for(["node_new"])  # where the learner can restart: a node with a whole CPU free
+                learner_moved_to = learner_moved.result()
             print(f"[multinode] the learner runs again {time.monotonic() - lost_at:.1f} s after its node was lost")
             _wait_until(lambda: len(logged(run_url)) > learner_killed_at, run, 240)
             print(f"[multinode] and has trained past the step it was lost at {time.monotonic() - lost_at:.1f} s after")
