@@ -95,26 +95,16 @@ def test_a_collector_alone_is_unpaced_until_a_learner_publishes(tmp_path):
     assert alone.may_collect(15) and not alone.may_collect(16)  # a learner came: paced from now on
 
 
-class _Clock:
-    """``time`` for the pacing module, whose wall clock a test moves: a loaded machine cannot stretch
-    the gap between two calls that the test needs within ``WAITING_RENEW_S``."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def time(self) -> float:
-        return self.now
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-
 def test_a_learner_still_waiting_after_a_round_gets_one_more(tmp_path, monkeypatch):
     """The last resort against a deadlock: the learner needs more than it said it would."""
+    from types import SimpleNamespace
+
     from rlhf_pipeline.coordination import pacing
 
-    clock = _Clock()
-    monkeypatch.setattr(pacing, "time", clock)
+    # the pacing module's wall clock is the test's: a loaded machine cannot stretch the gap between two
+    # calls that must come within WAITING_RENEW_S
+    clock = SimpleNamespace(now=1_000_000.0)
+    monkeypatch.setattr(pacing, "time", SimpleNamespace(time=lambda: clock.now, monotonic=time.monotonic))
     path = tmp_path / "pacing.json"
     learner = PacingPublisher(path)
     learner.publish(LearnerIntake(1, 1, {"shard-0000": 8}, next_draw_rows=0))
