@@ -62,6 +62,10 @@ class LearnerIntake:
     0 rows: it has them and is reading them. None: not waiting, or a sampler that does not say."""
     last_step: bool = False
     """This batch is the run's last step (or the learner has taken all its steps): no more draws."""
+    taken_since_checkpoint: list[tuple[int, dict[str, int]]] = field(default_factory=list)
+    """``(draws, consumed)`` of every draw taken in since the learner's last checkpoint, oldest first:
+    a learner resumed from that checkpoint takes the same rows into those draws again, whatever the
+    shards hold by then (``retake`` of the ``exact`` sampler; docs/learner.md#resume-beside-several-collectors)."""
 
     def to_json(self) -> dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": self.step, "draws": self.draws,
@@ -71,7 +75,8 @@ class LearnerIntake:
                 "last_step": self.last_step,
                 "recent": [[version, next_version, need, dict(consumed)]
                            for version, next_version, need, consumed in self.recent],
-                "lacking": None if self.lacking is None else [*self.lacking[:2], dict(self.lacking[2])]}
+                "lacking": None if self.lacking is None else [*self.lacking[:2], dict(self.lacking[2])],
+                "taken_since_checkpoint": [[draws, dict(consumed)] for draws, consumed in self.taken_since_checkpoint]}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LearnerIntake:
@@ -83,7 +88,9 @@ class LearnerIntake:
                    next_version=int(data.get("next_version", data.get("policy_version", 0))),
                    last_step=bool(data.get("last_step", False)),
                    recent=[_recent_entry(entry) for entry in data.get("recent", [])],
-                   lacking=None if data.get("lacking") is None else _lacking_entry(data["lacking"]))
+                   lacking=None if data.get("lacking") is None else _lacking_entry(data["lacking"]),
+                   taken_since_checkpoint=[(int(draws), {str(k): int(n) for k, n in consumed.items()})
+                                           for draws, consumed in data.get("taken_since_checkpoint", [])])
 
 
 def _lacking_entry(entry) -> tuple[int, int, dict[str, int]]:
@@ -104,7 +111,10 @@ def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIn
     """The learner's last published intake, or None before its first publish. ``store``: the run's
     store when it lives at a URL (``path`` is then the key)."""
     where, key = state_store_and_key(path, store)
-    raw = where.read(key)
+    return _parsed(where.read(key))
+
+
+def _parsed(raw: bytes | None) -> LearnerIntake | None:
     if raw is None:
         return None
     try:
@@ -114,6 +124,16 @@ def read_intake(path: str | Path, *, store: RunStore | None = None) -> LearnerIn
     if data.get("format") != FORMAT_VERSION:
         return None
     return LearnerIntake.from_json(data)
+
+
+def _with_draw(taken: list[tuple[int, dict[str, int]]], draws: int,
+               consumed: dict[str, int]) -> list[tuple[int, dict[str, int]]]:
+    """``taken`` with draw ``draws`` taken in. A draw taken again as recorded keeps the record of the
+    draws after it (a resumed learner killed again before it took them all in must take them still); one
+    that took other rows ends it there."""
+    recorded = dict(taken).get(draws)
+    later = [(d, c) for d, c in taken if d > draws] if recorded == consumed else []
+    return [(d, c) for d, c in taken if d < draws] + [(draws, dict(consumed))] + later
 
 
 WAITING_RENEW_S = 0.5
@@ -145,11 +165,19 @@ class PacingPublisher:
         if new_draw:
             entry = (intake.policy_version, intake.next_version, intake.next_draw_rows, dict(intake.consumed))
             intake.recent = (list(self.intake.recent) + [entry])[-RECENT_DRAWS:]
+        if new_draw and intake.draws:  # (a new learner's first publish follows no draw)
+            intake.taken_since_checkpoint = _with_draw(self.intake.taken_since_checkpoint, intake.draws,
+                                                       intake.consumed)
         self.intake = intake
         if not self.write:
             return
         payload = json.dumps(intake.to_json(), separators=(",", ":"), sort_keys=True).encode()
         self._store.write(self._key, payload, durable=False)
+
+    def published(self) -> LearnerIntake | None:
+        """What ``pacing.json`` holds: before this learner's first publish, the intake of the learner
+        before it (one killed: the draws it took in since its checkpoint)."""
+        return _parsed(self._store.read(self._key))
 
     def waiting(self, lacking: tuple[int, int, dict[str, int]] | None = None) -> None:
         """The learner is waiting for its next batch: called while it waits; publishes the time it

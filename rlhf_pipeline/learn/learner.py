@@ -131,6 +131,7 @@ class Learner:
         self._display: ProgressDisplay | None = None
         pacing, store = paths.state_object(paths.pacing)
         self._pacing = PacingPublisher(pacing, store=store, write=self.source.fed_by_collectors)
+        self._draws_on_record: list[tuple[int, dict[str, int]]] = []  # past the checkpoint, taken again as recorded
         self._trained = TrainedRows()
         self._draw_versions = DrawVersions(self.stop_event)  # what each draw's staleness is checked against
         self._masked_codes = termination_codes(settings.mask_termination_reasons)  # (k,) int32
@@ -177,6 +178,7 @@ class Learner:
         intake.last_step = self.progress.step >= self.total_steps  # resumed with more --steps: it draws on
         intake.policy_version = self.progress.policy_version
         intake.next_version = max(intake.next_version, intake.policy_version)  # a new learner's first draw: its own
+        intake.taken_since_checkpoint = self._draws_on_record  # still on record until taken in again (killed again first)
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files
             return
@@ -319,6 +321,8 @@ class Learner:
                 print(f"[learner] the checkpoint's sampler state is another sampler's; "
                       f"{self.settings.sampler!r} starts from the buffer as it is now", file=sys.stderr, flush=True)
                 self._sampler_state = self.sampler.state_dict()
+            else:
+                self._retake_draws_past_checkpoint()
         self._draw_versions.expect(self.progress.draws, self.progress.policy_version)
         produce, read_slice = draw_readers(self._store, self.sampler, self.settings, self.data_parallel,
                                            device=self.device, pad_token_id=self.pad_token_id,
@@ -336,6 +340,22 @@ class Learner:
         if self.data_parallel.is_main and hasattr(self.sampler, "hurry"):  # it polls for rows fast only while a step waits
             self.sampler.hurry = self._prefetcher.consumer_waiting
         self._ready = True
+
+    def _retake_draws_past_checkpoint(self) -> None:
+        """Has the sampler take in the draws again that the learner before this one (killed) took in past
+        this checkpoint, as ``pacing.json`` records them: a sampler whose draws depend on what the shards
+        held as it drew (``exact``, beside several collectors) takes the same rows again, so the versions
+        published past the checkpoint are published again with the same weights. Only a record that goes
+        on from this checkpoint's last draw: one of a later checkpoint (this one older) leaves draws out."""
+        retake = getattr(self.sampler, "retake", None)
+        if retake is None or not self.data_parallel.is_main or not self.source.fed_by_collectors:
+            return
+        before = self._pacing.published()
+        taken = [(d, c) for d, c in (before.taken_since_checkpoint if before else []) if d > self.progress.draws]
+        if [d for d, _ in taken] != list(range(self.progress.draws + 1, self.progress.draws + 1 + len(taken))):
+            return
+        retake({draws - 1: consumed for draws, consumed in taken})  # (by draw index: draws counts them)
+        self._draws_on_record = taken
 
     # ================================================================== train
     def train(self, max_steps: int | None = None, *, checkpoint_when_paused: bool = True) -> bool:
@@ -545,6 +565,7 @@ class Learner:
         if not self.data_parallel.is_main:  # one checkpoint per run, written by rank 0
             return
         held = self._collectors_held()  # before the buffer's state: a refresh in between only moves that on
+        self._pacing.intake.taken_since_checkpoint = []  # a learner resumed from this one draws on from it
         state = {
             **model_state,
             "optimizer": optimizer_state,

@@ -376,6 +376,28 @@ def test_a_resumed_learner_republishes_its_checkpoints_intake(tmp_path):
         resumed.cleanup()
 
 
+def test_the_draws_taken_since_the_checkpoint_stay_on_record_until_a_learner_takes_them_in_again(tmp_path):
+    """``pacing.json`` records each draw taken in since the checkpoint (what a resumed learner's exact
+    sampler takes again). A learner resumed from the checkpoint of draw 1 and killed again after taking
+    in draw 2 as recorded leaves draw 3 on record; one that took other rows into draw 2 ends the record."""
+    killed = PacingPublisher(tmp_path / "pacing.json")
+    for draws in (1, 2, 3):
+        killed.publish(LearnerIntake(step=draws, draws=draws, consumed={"shard-0000": 8 * draws, "shard-0001": draws}))
+    recorded = read_intake(tmp_path / "pacing.json").taken_since_checkpoint
+    assert recorded == [(d, {"shard-0000": 8 * d, "shard-0001": d}) for d in (1, 2, 3)]
+
+    resumed = PacingPublisher(tmp_path / "pacing.json")
+    assert resumed.published().taken_since_checkpoint == recorded  # what a learner reads before it publishes
+    intake = LearnerIntake(step=1, draws=1, consumed=dict(recorded[0][1]))
+    intake.taken_since_checkpoint = recorded[1:]  # the checkpoint's intake, with what is to be taken again
+    resumed.publish(intake, new_draw=False)
+    resumed.publish(LearnerIntake(step=2, draws=2, consumed=dict(recorded[1][1])))
+    assert read_intake(tmp_path / "pacing.json").taken_since_checkpoint == recorded[1:]  # the kill here keeps draw 3
+
+    resumed.publish(LearnerIntake(step=2, draws=2, consumed={"shard-0000": 12}))  # other rows than recorded
+    assert read_intake(tmp_path / "pacing.json").taken_since_checkpoint == [(2, {"shard-0000": 12})]
+
+
 class VersionedWriter(PacedWriter):
     """A :class:`PacedWriter` that stamps each round with the policy version pacing names for it, as
     ``collect_main`` samples it, and waits for the stall rule never (``stall_s`` out of reach)."""

@@ -196,6 +196,57 @@ def test_rows_evicted_before_their_last_pass_are_left_out(tmp_path):
         shards.close()
 
 
+def test_blocks_a_killed_learner_took_are_taken_again_as_recorded_not_as_the_shards_now_stand(tmp_path, capsys):
+    """Beside several collectors, which rows of each shard a block takes is what the shards held as it
+    was drawn: a learner resumed from the state of draw 0 finds both shards fuller than the killed one
+    did, and takes the killed learner's blocks again only from its record (``consumed`` of each draw)."""
+    shards = Shards(tmp_path / "buffer", 2)
+    reader = open_buffer(tmp_path / "buffer")
+    killed = ExactUseSampler(reader, batch_size=8, uses=1, max_staleness=2, timeout_s=5)
+    try:
+        shards.append(0, 2)  # draw 0: shard 0 alone has rows
+        first = killed.draw(0)
+        shards.append(1, 2)  # draw 1: shard 1 alone past the cursor
+        second = killed.draw(1)
+        taken = [used_ids(reader, second)]  # (positions name rows until the next refresh)
+        shards.append(0, 1)
+        shards.append(1, 1)  # draw 2: half of each
+        third = killed.draw(2)
+        taken.append(used_ids(reader, third))
+        record = {1: second.consumed, 2: third.consumed}
+        shards.append(0, 4)
+        shards.append(1, 4)  # what the collectors wrote on while the learner was dead
+
+        def resumed(retake) -> ExactUseSampler:
+            sampler = ExactUseSampler(open_buffer(tmp_path / "buffer"), batch_size=8, uses=1, max_staleness=2,
+                                      timeout_s=5)
+            sampler.load_state_dict(first.sampler_state)
+            if retake is not None:
+                sampler.retake(retake)
+            return sampler
+
+        redrawn = resumed(None)  # no record: an even share of shards that both hold plenty
+        assert [used_ids(redrawn.store, redrawn.draw(d)) for d in (1, 2)] != taken
+        again = resumed(record)
+        assert [used_ids(again.store, again.draw(d)) for d in (1, 2)] == taken
+        assert [sorted({i >> 40 for i in ids}) for ids in taken] == [[1], [0, 1]]
+        assert again.state_dict() == third.sampler_state
+        fourth = again.draw(3)  # past the record: from the shards as they stand, 4 rows of each
+        assert {i >> 40 for i in used_ids(again.store, fourth)} == {0, 1}
+
+        changed = ExactUseSampler(open_buffer(tmp_path / "buffer"), batch_size=4, uses=1, timeout_s=5)
+        changed.load_state_dict(first.sampler_state)
+        changed.retake(record)  # learner.batch_size changed on resume: the recorded block is not one
+        assert changed.draw(1).positions.numel() == 4
+        assert "draw 2, taken in before the learner was stopped, took rows this learner cannot take again" \
+            in capsys.readouterr().err
+        for sampler in (redrawn, again, changed):
+            sampler.store.close()
+    finally:
+        reader.close()
+        shards.close()
+
+
 def test_the_learner_setting_picks_it_and_checks_k(tmp_path):
     shards = Shards(tmp_path / "buffer", 1)
     shards.append(0, 2)

@@ -6,11 +6,13 @@ row is left out or drawn twice by chance. A block takes an even share from every
 its cursor. Rows too stale for the version the block's first draw trains with, or evicted, are passed
 over for good; while a block waits, :attr:`~ExactUseSampler.lacking` says how many rows it still lacks,
 which the learner publishes to the collectors. The state (cursors, current block, its draws) resumes
-the block a run was on. Design: docs/learner.md#which-rows-a-step-trains-on.
+the block a run was on, and the blocks a killed learner took past its checkpoint are taken again as it
+took them (:meth:`~ExactUseSampler.retake`). Design: docs/learner.md#which-rows-a-step-trains-on.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from typing import Any
@@ -60,13 +62,15 @@ class ExactUseSampler:
         # (version the draw trains with, rows it lacks, rows per shard seen): read by the learner while it waits
         self.lacking: tuple[int, int, dict[str, int]] = NOTHING_LACKING
         self.passed_over = 0  # stale rows the block being waited for passed over: the learner's wait line says so
+        self._recorded: dict[int, dict[str, int]] = {}  # draw index -> cursors right after it, as a killed learner took it
 
     def draw(self, draw_index: int) -> SampledRows:
         """The next draw's rows. ``draw_index`` is not needed: the state says where the run is."""
         dropped = 0
         while True:
             if self.block_draws >= self.uses:
-                dropped += self._take_block()
+                recorded = self._recorded.pop(draw_index, None)
+                dropped += self._take_block() if recorded is None else self._take_recorded_block(draw_index, recorded)
             rows = len(self.store)  # refresh once: the positions hold until the next refresh
             positions, gone = union_positions(self.store, self.block)
             dropped += gone
@@ -121,6 +125,51 @@ class ExactUseSampler:
                     f"running for this run? (raise learner.data_timeout_s)"
                 )
             wait.sleep()
+
+    def retake(self, taken: dict[int, dict[str, int]]) -> None:
+        """Draws a learner killed past its checkpoint took in (index -> ``consumed``, the cursors right
+        after each, from ``pacing.json``): which rows a block took from each shard was what the shards
+        held as it was drawn, so this learner takes those blocks again as recorded, not as the shards
+        stand now. The versions those draws trained were published and sampled with: trained again on
+        the same rows, they are the same weights under the same numbers."""
+        self._recorded = dict(taken)
+
+    def _take_recorded_block(self, draw_index: int, cursors: dict[str, int]) -> int:
+        """The block draw ``draw_index`` took before a kill: every row from the cursors up to
+        ``cursors``, less the stale ones as then. Rows since evicted, or settings changed on resume
+        (another ``batch_size``), make another block: the record ends there and blocks are taken from
+        the shards as they stand, said in one line."""
+        deadline = time.monotonic() + self.timeout_s
+        wait = RowsWait(self.store, self.poll_s, self.hurry)
+        while True:
+            wait.rows()  # refresh: a reader at a URL may not list every row the record names yet
+            shards = dict(shard_stores(self.store))
+            if all(key in shards and int(shards[key].next_row) >= end for key, end in cursors.items()):
+                break
+            if self.stop.is_set():
+                raise InterruptedError("sampling stopped")
+            if time.monotonic() > deadline:
+                break  # a shard lost rows it published: the block below cannot be the recorded one
+            wait.sleep()
+        taken, whole = {}, True
+        for key, end in cursors.items():
+            cursor, shard = self.cursors.get(key, 0), shards.get(key)
+            if end < cursor or (end > cursor and (shard is None or int(shard.next_row) < end)):
+                whole = False
+            elif end > cursor:  # (rows evicted before they were taken were passed over then too)
+                taken[key] = np.arange(max(cursor, int(shard.first_row)), end, dtype=np.int64)
+        fresh, stale = self._fresh(taken) if whole else ({}, 0)
+        if not whole or sum(len(ids) for ids in fresh.values()) != self.batch_size:
+            print(f"[learner] draw {draw_index + 1}, taken in before the learner was stopped, took rows this learner "
+                  f"cannot take again as they were (evicted since, or learner.batch_size changed on resume): its blocks from "
+                  f"here on are taken from the shards as they stand", file=sys.stderr, flush=True)
+            self._recorded = {}
+            return self._take_block()
+        self.cursors.update(cursors)
+        self.block = {key: [int(i) for i in ids] for key, ids in fresh.items() if len(ids)}
+        self.block_draws = 0
+        self.lacking, self.passed_over = NOTHING_LACKING, 0
+        return stale
 
     def why_rows_held_wait(self) -> str | None:
         """Why rows the buffer holds past the last draw's do not make the block waited for: those passed
