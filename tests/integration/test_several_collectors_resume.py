@@ -1,5 +1,6 @@
 """A learner killed beside several collectors trains its steps past the checkpoint again on the rows
-it trained before the kill: the same metrics and, under the same version numbers, the same weights.
+it trained before the kill, also when killed again while it does: the same metrics and, under the same
+version numbers, the same weights.
 
 Which rows of each shard a block of the ``exact`` sampler takes is what the shards held when the
 learner drew it (timing), so after a kill it is not drawn again from the shards: it is read back from
@@ -62,19 +63,36 @@ def test_a_learner_killed_beside_two_collectors_trains_its_steps_again_on_the_sa
 
     first = preloaded.Popen([*command, "--steps", "40"], cwd=tmp_path, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
-    out = kill_when(first, lambda: learner_step() > CHECKPOINT_EVERY,
+    # two steps past the checkpoint at least: room for a second kill between
+    out = kill_when(first, lambda: learner_step() > CHECKPOINT_EVERY + 1,
                     victims=lambda: run_child_pids("learn", run_home, "twin"), poll_s=0.1)
     assert first.returncode != 0 and "the learner failed" in out and "was killed by SIGKILL" in out, out[-3000:]
     store = run_store_at(run)
     killed_at = max(published_versions(store))  # a version a step
     checkpoint = run_checkpoints(paths).latest_step()
-    assert checkpoint == CHECKPOINT_EVERY < killed_at, (checkpoint, killed_at)  # steps to take again
-    retaken = range(checkpoint + 1, killed_at + 1)
-    assert set(retaken) <= set(published_versions(store))
-    weights = {version: load_weights(store, version)[0] for version in retaken}
+    assert checkpoint == CHECKPOINT_EVERY < killed_at - 1, (checkpoint, killed_at)  # steps to take again
+    published = published_versions(store)  # (a kill that came steps late: the oldest may be pruned)
+    weights = {version: load_weights(store, version)[0] for version in range(checkpoint + 1, killed_at + 1)
+               if version in published}
     before = trained(logged(run), BUFFER_FILL)  # (at a URL, the lines sent before the kill)
+    recorded = read_intake(where, store=state_store).taken_since_checkpoint
+    assert [draws for draws, _ in recorded][:2] == [checkpoint + 1, checkpoint + 2]  # (a step, a draw)
 
-    # to the step of the kill: the versions taken again are among the newest, kept
+    # killed again while it takes those steps again, after the first of them: the rest stay on record
+    seen = set()
+
+    def retaking() -> bool:  # (the killed learner's step until the new one republishes its checkpoint's)
+        seen.add(learner_step())
+        return checkpoint in seen and checkpoint < learner_step() < killed_at
+
+    again = preloaded.Popen([*command, "--steps", "40"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    out = kill_when(again, retaking, victims=lambda: run_child_pids("learn", run_home, "twin"), poll_s=0.05)
+    assert again.returncode != 0 and "was killed by SIGKILL" in out, out[-3000:]
+    # what it took in again is as recorded, and what it had not yet is still on record
+    assert read_intake(where, store=state_store).taken_since_checkpoint[:len(recorded)] == recorded
+
+    # to the step of the first kill: the versions taken again are among the newest, kept
     resumed = preloaded.run([*command, "--steps", str(killed_at)], cwd=tmp_path, capture_output=True,
                             text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
