@@ -165,9 +165,9 @@ class PacingPublisher:
         if new_draw:
             entry = (intake.policy_version, intake.next_version, intake.next_draw_rows, dict(intake.consumed))
             intake.recent = (list(self.intake.recent) + [entry])[-RECENT_DRAWS:]
-        if new_draw and intake.draws:  # (a new learner's first publish follows no draw)
-            intake.taken_since_checkpoint = _with_draw(self.intake.taken_since_checkpoint, intake.draws,
-                                                       intake.consumed)
+            if intake.draws:  # (a new learner's first publish follows no draw)
+                intake.taken_since_checkpoint = _with_draw(self.intake.taken_since_checkpoint, intake.draws,
+                                                           intake.consumed)
         self.intake = intake
         if not self.write:
             return

@@ -178,7 +178,7 @@ class Learner:
         intake.last_step = self.progress.step >= self.total_steps  # resumed with more --steps: it draws on
         intake.policy_version = self.progress.policy_version
         intake.next_version = max(intake.next_version, intake.policy_version)  # a new learner's first draw: its own
-        intake.taken_since_checkpoint = self._draws_on_record  # still on record until taken in again (killed again first)
+        intake.taken_since_checkpoint = self._draws_on_record  # on record until taken in again (a second kill)
         self._pacing.intake = intake
         if not self.data_parallel.is_main:  # only rank 0 writes files
             return

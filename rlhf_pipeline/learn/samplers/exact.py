@@ -62,7 +62,7 @@ class ExactUseSampler:
         # (version the draw trains with, rows it lacks, rows per shard seen): read by the learner while it waits
         self.lacking: tuple[int, int, dict[str, int]] = NOTHING_LACKING
         self.passed_over = 0  # stale rows the block being waited for passed over: the learner's wait line says so
-        self._recorded: dict[int, dict[str, int]] = {}  # draw index -> cursors right after it, as a killed learner took it
+        self._recorded: dict[int, dict[str, int]] = {}  # draw index -> cursors right after it (retake)
 
     def draw(self, draw_index: int) -> SampledRows:
         """The next draw's rows. ``draw_index`` is not needed: the state says where the run is."""
@@ -107,9 +107,7 @@ class ExactUseSampler:
                     block.setdefault(key, []).extend(int(i) for i in ids)
                     have += len(ids)
                 if have == self.batch_size:
-                    self.block = block
-                    self.block_draws = 0
-                    self.lacking, self.passed_over = NOTHING_LACKING, 0
+                    self._begin_block(block)
                     return skipped
                 continue
             self.lacking = (self.current_version, need - sum(len(ids) for ids in available.values()),
@@ -160,16 +158,21 @@ class ExactUseSampler:
                 taken[key] = np.arange(max(cursor, int(shard.first_row)), end, dtype=np.int64)
         fresh, stale = self._fresh(taken) if whole else ({}, 0)
         if not whole or sum(len(ids) for ids in fresh.values()) != self.batch_size:
-            print(f"[learner] draw {draw_index + 1}, taken in before the learner was stopped, took rows this learner "
-                  f"cannot take again as they were (evicted since, or learner.batch_size changed on resume): its blocks from "
-                  f"here on are taken from the shards as they stand", file=sys.stderr, flush=True)
+            print(f"[learner] draw {draw_index + 1}, taken in before the learner was stopped, took rows this "
+                  f"learner cannot take again as they were (evicted since, or learner.batch_size changed on "
+                  f"resume): its blocks from here on are taken from the shards as they stand",
+                  file=sys.stderr, flush=True)
             self._recorded = {}
             return self._take_block()
         self.cursors.update(cursors)
-        self.block = {key: [int(i) for i in ids] for key, ids in fresh.items() if len(ids)}
+        self._begin_block({key: [int(i) for i in ids] for key, ids in fresh.items() if len(ids)})
+        return stale
+
+    def _begin_block(self, block: dict[str, list[int]]) -> None:
+        """``block`` is whole: the next ``uses`` draws train on it, and nothing is waited for."""
+        self.block = block
         self.block_draws = 0
         self.lacking, self.passed_over = NOTHING_LACKING, 0
-        return stale
 
     def why_rows_held_wait(self) -> str | None:
         """Why rows the buffer holds past the last draw's do not make the block waited for: those passed
