@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     writable_output(args.out, "--out", kind="directory")
     try:
         written = plot_runs([local_copy(run) for run in args.runs], args.out)
-    except (MissingExtraError, FileNotFoundError, NotMetricsError, RunLocationError, RunStoreError) as exc:
+    except (MissingExtraError, FileNotFoundError, FileExistsError, NotMetricsError, RunLocationError,
+            RunStoreError) as exc:
         raise CommandRefused(str(exc)) from None
     if not written:
         print("rlhf-pipeline plot: the runs logged none of the charted metrics yet", file=sys.stderr)

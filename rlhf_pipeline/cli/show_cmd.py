@@ -52,13 +52,19 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         writable_output(args.html, "--html", kind="file")
     from rlhf_pipeline.dataio.run_pipeline import find_run
+    from rlhf_pipeline.files.atomic import write_atomic
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.dataio.trajectory_view import (
         TrajectoryNotFound,
         find_trajectory,
         format_trajectory,
         trajectory_html,
+        written_by_show,
     )
+
+    if args.html and Path(args.html).is_file() and not written_by_show(Path(args.html)):
+        raise CommandRefused(f"--html {args.html} already exists and is not a page show wrote (those it replaces); "
+                             f"choose another path or remove it")
     from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.storage import StoreError, open_buffer
 
@@ -87,10 +93,9 @@ def run(args: argparse.Namespace) -> int:
     if tokenizer is None:
         print("(tokens shown by id: pass --pipeline PIPELINE.py to decode them with its tokenizer)", file=sys.stderr)
     if args.html:
-        page = Path(args.html)
-        page.parent.mkdir(parents=True, exist_ok=True)
-        page.write_text(trajectory_html(view, tokenizer, title=str(args.buffer)), encoding="utf-8")
-        print(f"wrote {page}", file=sys.stderr)
+        page = trajectory_html(view, tokenizer, title=str(args.buffer)).encode()
+        write_atomic(args.html, lambda f: f.write(page), durable=False)  # a page read whole, or the one before
+        print(f"wrote {args.html}", file=sys.stderr)
     return 0
 
 

@@ -224,9 +224,10 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = charts_to_draw(data)
+    _refuse_files_not_plotted(out, [f"{chart.name}.png" for chart in drawn] + ["overview.png"] * bool(drawn))
+    out.mkdir(parents=True, exist_ok=True)
     written = []
     for chart in drawn:
         fig = chart_figure(chart, data)
@@ -255,20 +256,44 @@ PLOT_RECORD = "plot.json"
 """What the last ``plot`` into a directory drew there: its runs and its charts."""
 
 
+def _earlier_charts(out: Path) -> list[str] | None:
+    """The charts the last plot into ``out`` wrote, by its record (none when there is no record); None when
+    a ``plot.json`` there is not a plot's record."""
+    try:
+        earlier = json.loads((out / PLOT_RECORD).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return []
+    except (OSError, ValueError):
+        return None
+    charts = earlier.get("charts") if isinstance(earlier, dict) else None
+    if not isinstance(charts, list) or not all(isinstance(name, str) for name in charts):
+        return None
+    return charts
+
+
+def _refuse_files_not_plotted(out: Path, names: list[str]) -> None:
+    """Refuses, before any chart is written, to replace a file of ``out`` that no earlier plot wrote there:
+    a user's own ``reward.png`` or ``plot.json`` is theirs, not a chart to draw again."""
+    earlier = _earlier_charts(out)
+    taken = [name for name in (*names, PLOT_RECORD) if (out / name).exists()
+             and (earlier is None or (name not in earlier and name != PLOT_RECORD))]
+    if taken:
+        them = "it" if len(taken) == 1 else "them"
+        foreign_record = "; this one is not a plot's" if earlier is None else ""
+        raise FileExistsError(
+            f"--out {out} holds {', '.join(taken)}, which no earlier plot wrote there (the {PLOT_RECORD} beside "
+            f"its charts names them{foreign_record}): plot would replace {them}; choose another directory or move {them}")
+
+
 def _replace_earlier_plot(out: Path, written: list[Path], run_dirs: list[str | Path]) -> None:
     """Removes the charts an earlier plot into ``out`` wrote and this one did not (an evaluation chart of
     runs not drawn now read as these runs'), by its record only: no other file of ``out`` is touched."""
-    record = out / PLOT_RECORD
-    try:
-        earlier = json.loads(record.read_text(encoding="utf-8"))["charts"]
-    except (FileNotFoundError, ValueError, KeyError, TypeError):
-        earlier = []
     drawn = sorted(path.name for path in written)
-    for name in earlier if isinstance(earlier, list) else []:
-        if isinstance(name, str) and name not in drawn and name == Path(name).name and name.endswith(".png"):
+    for name in _earlier_charts(out) or []:
+        if name not in drawn and name == Path(name).name and name.endswith(".png"):
             (out / name).unlink(missing_ok=True)
-    record.write_text(json.dumps({"runs": [str(run) for run in run_dirs], "charts": drawn}, indent=1) + "\n",
-                      encoding="utf-8")
+    (out / PLOT_RECORD).write_text(json.dumps({"runs": [str(run) for run in run_dirs], "charts": drawn}, indent=1)
+                                   + "\n", encoding="utf-8")
 
 
 def charts_to_draw(data: dict[str, RunMetrics]) -> list[Chart]:

@@ -12,6 +12,7 @@ import html
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -264,12 +265,25 @@ table.ids td.piece { text-align: left; white-space: pre; }
 """
 
 
+PAGE_MARK = '<meta name="generator" content="rlhf-pipeline show">'
+"""In the head of every page :func:`trajectory_html` writes: ``show --html`` replaces such a page, no other file."""
+
+
+def written_by_show(page: Path) -> bool:
+    """Whether ``page`` is a page ``show --html`` wrote (its head holds :data:`PAGE_MARK`)."""
+    try:
+        with open(page, "rb") as f:
+            return PAGE_MARK.encode() in f.read(512)
+    except OSError:
+        return False
+
+
 def trajectory_html(view: TrajectoryView, tokenizer: Any | None = None, *, title: str | None = None) -> str:
     """A self-contained page that reads as text: each turn's tokens run on as its text does, each a
     span, grey when not trained, shaded by its sampling probability when trained (pale =
     unlikely); under each turn a table (closed until opened, by keyboard or mouse) gives every
     token's id and log-probs, which each token's tooltip shows as well."""
-    out = ["<!DOCTYPE html>", '<html><head><meta charset="utf-8">',
+    out = ["<!DOCTYPE html>", f'<html><head><meta charset="utf-8">{PAGE_MARK}',
            f"<title>{html.escape(title or f'trajectory {view.trajectory_id}')}</title>",
            f"<style>{_CSS}</style></head><body>",
            f"<h1>{html.escape(title or '')} trajectory {view.trajectory_id}</h1>",

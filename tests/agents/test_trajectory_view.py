@@ -124,6 +124,18 @@ def test_show_command_prints_by_id_without_a_tokenizer_and_names_a_missing_id(st
     assert out.out.count("── turn ") == len(episodes[0].turns) and "--pipeline" in out.err
     assert main(["show", str(path), "--trajectory", "9"]) == 2
     assert "trajectory 9 is not in" in capsys.readouterr().err
+
+    # a page show wrote is written again; a file it did not write is refused before the buffer is read, and kept
+    assert main(["show", str(path), "--trajectory", "1", "--html", str(page), "--color", "never"]) == 0
+    assert f"[{episodes[1].token_ids[0]}]" in page.read_text() and "trajectory 1" in page.read_text()
+    notes = tmp_path / "notes.html"
+    notes.write_text("<html>the user's own page</html>")
+    capsys.readouterr()
+    assert main(["show", str(path), "--trajectory", "0", "--html", str(notes), "--color", "never"]) == 2
+    out = capsys.readouterr()
+    assert f"--html {notes} already exists and is not a page show wrote" in out.err and out.out == "", out
+    assert notes.read_text() == "<html>the user's own page</html>"
+    assert sorted(p.name for p in page.parent.iterdir()) == ["t.html"]  # no partial file left beside the page
     assert episodes[0].reason in TerminationReason
 
 

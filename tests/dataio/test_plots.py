@@ -228,3 +228,34 @@ def test_an_out_named_like_an_image_is_refused_before_a_directory_of_that_name_i
     err = capsys.readouterr().err
     assert "--out is the directory plot writes its charts into" in err and f"--out {tmp_path / 'chart'}" in err, err
     assert not out.exists()
+
+
+def test_a_file_of_the_users_named_like_a_chart_is_refused_and_kept_and_plots_own_charts_are_drawn_again(
+        tiny_run, tmp_path, capsys):
+    """plot replaces the charts an earlier plot wrote into ``--out`` (its ``plot.json`` names them), never a
+    file it did not write: a ``reward.png`` of the user's own, or a ``plot.json`` that is not its record."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "charts"
+    out.mkdir()
+    (out / "reward.png").write_bytes(b"the user's own chart")
+    (out / "notes.txt").write_text("the user's notes")
+    assert main(["plot", str(tiny_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {out} holds reward.png, which no earlier plot wrote there" in err and "move it" in err, err
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt", "reward.png"]  # nothing drawn, nothing replaced
+    assert (out / "reward.png").read_bytes() == b"the user's own chart"
+
+    (out / "reward.png").unlink()
+    assert main(["plot", str(tiny_run), "--out", str(out)]) == 0
+    drawn = {p.stem for p in out.glob("*.png")}
+    assert drawn == CHARTS
+    before = (out / "reward.png").read_bytes()
+    (out / "reward.png").write_bytes(b"an older drawing")  # a chart the last plot wrote: drawn again
+    assert main(["plot", str(tiny_run), "--out", str(out)]) == 0
+    assert (out / "reward.png").read_bytes() == before
+
+    (out / "plot.json").write_text('{"my": "settings"}')  # not a plot's record: none of the charts is known as its
+    assert main(["plot", str(tiny_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "plot.json" in err and "this one is not a plot's" in err, err
+    assert (out / "plot.json").read_text() == '{"my": "settings"}'
