@@ -258,7 +258,8 @@ def prepare_run_directory(pipeline: Pipeline, paths: RunPaths, shards: Sequence[
             if changed:
                 giving_back = sets_giving_back(in_force, changed)
                 raise RunError(
-                    f"run directory {paths.location} was started with other settings ({'; '.join(changed)}). "
+                    f"run directory {paths.location} was started with other settings "
+                    f"({'; '.join(changed.values())}). "
                     f"Resume with the same settings{f' ({giving_back})' if giving_back else ''}, or start a new "
                     f"run with --run-name NAME"
                 )
@@ -413,9 +414,10 @@ def _is_store(location: str) -> bool:
 _RESUMABLE_SETTINGS = {"steps", "device", "ray", "buffer_lock_wait_s", "buffer_lock_lease_s", "max_lag", "eval"}
 
 
-def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> list[str]:
-    """What differs between ``saved`` settings JSON and ``settings``; learner knobs and how the collector
-    reaches its engine may change on resume (the data stays valid): those are printed as a note."""
+def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> dict[str, str]:
+    """What differs between ``saved`` settings JSON and ``settings`` and may not, as ``key: was X, now Y``
+    by dotted key; learner knobs and how the collector reaches its engine may change on resume (the data
+    stays valid): those are printed as a note."""
     retired = _declared(settings, "REMOVED", "RENAMED")  # a setting gone or renamed since: the rows it saw stand
     saved, current, defaults = (flat_settings(d) for d in (saved, settings_to_json(settings),
                                                            _default_settings(settings)))
@@ -429,7 +431,7 @@ def settings_changes(saved: dict, settings: Any, *, tag: str, since: str) -> lis
     if noted:
         print(f"{tag} note: settings changed since {since}: {'; '.join(changed[key] for key in noted)}",
               file=sys.stderr, flush=True)
-    return [line for key, line in changed.items() if key not in allowed]
+    return {key: line for key, line in changed.items() if key not in allowed}
 
 
 def differences(was: dict[str, Any], now: dict[str, Any], keys: Iterable[str] | None = None) -> dict[str, str]:
@@ -450,12 +452,11 @@ def as_set_value(value: Any) -> str:
     return str(value)
 
 
-def sets_giving_back(saved: dict, refused: list[str]) -> str:
-    """The ``--set`` words that give back the ``saved`` values of the settings ``refused`` names (lines
-    of :func:`settings_changes`): what a start refused for them adds to resume."""
+def sets_giving_back(saved: dict, refused: Iterable[str]) -> str:
+    """The ``--set`` words that give back the ``saved`` values of the dotted settings ``refused``: what a
+    start refused for them adds to resume."""
     flat = flat_settings(saved)
-    keys = [line.split(": was ", 1)[0] for line in refused]
-    return " ".join(f"--set {shlex.quote(f'{key}={as_set_value(flat[key])}')}" for key in keys if key in flat)
+    return " ".join(f"--set {shlex.quote(f'{key}={as_set_value(flat[key])}')}" for key in refused if key in flat)
 
 
 def may_change_on_resume(key: str, settings: Any, was: Any = None, now: Any = None) -> bool:

@@ -171,10 +171,10 @@ def test_a_run_started_with_a_removed_setting_resumes_without_it():
     settings = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm"])
     saved = settings_to_json(settings)
     saved["generation"].update(enforce_eager=False, url_lease_s=60.0, url_api_key_env="MY_KEY")
-    assert settings_changes(saved, settings, tag="[run]", since="the run started") == []
+    assert settings_changes(saved, settings, tag="[run]", since="the run started") == {}
     saved["generation"]["max_num_seqs"] = 8  # a setting that stays still has to match
-    assert settings_changes(saved, settings, tag="[run]", since="the run started") == [
-        "generation.max_num_seqs: was 8, now 256"]
+    assert settings_changes(saved, settings, tag="[run]", since="the run started") == {
+        "generation.max_num_seqs": "generation.max_num_seqs: was 8, now 256"}
 
 
 def test_a_run_started_with_a_renamed_setting_resumes_and_its_new_name_is_compared_from_its_default(capsys):
@@ -189,10 +189,10 @@ def test_a_run_started_with_a_renamed_setting_resumes_and_its_new_name_is_compar
     del saved["generation"]["retries"], saved["max_lag"]
     saved["generation"].update(url_retries=3, max_restarts=2)
     saved.update(rounds_ahead=1, rounds_per_version=1)
-    assert settings_changes(saved, settings, tag="[run]", since="the run started") == []
+    assert settings_changes(saved, settings, tag="[run]", since="the run started") == {}
     assert "note" not in capsys.readouterr().err
     more_retries = make_settings(load_pipeline_module(DEFAULT), ["generation.engine=vllm", "generation.retries=9"])
-    assert settings_changes(saved, more_retries, tag="[run]", since="the run started") == []
+    assert settings_changes(saved, more_retries, tag="[run]", since="the run started") == {}
     assert capsys.readouterr().err == ("[run] note: settings changed since the run started: generation.retries: was "
                                        "None, now 9\n")
 
@@ -210,19 +210,20 @@ def test_a_resume_may_reach_its_engine_elsewhere_but_not_change_which_engine_sam
     saved = settings_to_json(make_settings(module, started))
     moved = make_settings(module, ["generation.url=http://10.0.0.2:8001", "generation.start_timeout_s=60",
                                    "generation.timeout_s=30"])
-    assert settings_changes(saved, moved, tag="[run]", since="the run started") == []
+    assert settings_changes(saved, moved, tag="[run]", since="the run started") == {}
     note = capsys.readouterr().err
     assert note.startswith("[run] note: settings changed since the run started: ") and note.count("\n") == 1
     assert "generation.url: was 'http://10.0.0.1:8000', now 'http://10.0.0.2:8001'" in note
     assert "generation.start_timeout_s: was 5.0, now 60.0" in note and "generation.timeout_s: was 600.0" in note
-    assert settings_changes(saved, make_settings(module), tag="[run]", since="the run started") == [
-        "generation.url: was 'http://10.0.0.1:8000', now None"]  # our loop samples instead of the server
+    assert settings_changes(saved, make_settings(module), tag="[run]", since="the run started") == {
+        "generation.url": "generation.url: was 'http://10.0.0.1:8000', now None"}  # our loop samples instead of the server
     loop = settings_to_json(make_settings(module))
-    assert settings_changes(loop, make_settings(module, started[:1]), tag="[run]", since="the run started") == [
-        "generation.url: was None, now 'http://10.0.0.1:8000'"]
+    assert settings_changes(loop, make_settings(module, started[:1]), tag="[run]", since="the run started") == {
+        "generation.url": "generation.url: was None, now 'http://10.0.0.1:8000'"}
     assert settings_changes(saved, make_settings(module, ["generation.engine=vllm"]), tag="[run]",
-                            since="the run started") == ["generation.engine: was 'loop', now 'vllm'",
-                                                         "generation.url: was 'http://10.0.0.1:8000', now None"]
+                            since="the run started") == {
+        "generation.engine": "generation.engine: was 'loop', now 'vllm'",
+        "generation.url": "generation.url: was 'http://10.0.0.1:8000', now None"}
 
 
 @pytest.mark.parametrize(("device", "eager"), [("cpu", True), ("cuda", False)])
