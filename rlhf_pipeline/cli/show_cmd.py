@@ -61,12 +61,12 @@ def run(args: argparse.Namespace) -> int:
         trajectory_html,
         written_by_show,
     )
+    from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.storage import StoreError, open_buffer
 
     if args.html and Path(args.html).is_file() and not written_by_show(Path(args.html)):
         raise CommandRefused(f"--html {args.html} already exists and is not a page show wrote (those it replaces); "
                              f"choose another path or remove it")
-    from rlhf_pipeline.pipeline import PipelineError
-    from rlhf_pipeline.storage import StoreError, open_buffer
 
     if args.pipeline is not None and not Path(args.pipeline).is_file():
         raise CommandRefused(f"pipeline file {args.pipeline!r} does not exist")

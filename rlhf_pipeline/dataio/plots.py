@@ -282,7 +282,8 @@ def _refuse_files_not_plotted(out: Path, names: list[str]) -> None:
         foreign_record = "; this one is not a plot's" if earlier is None else ""
         raise FileExistsError(
             f"--out {out} holds {', '.join(taken)}, which no earlier plot wrote there (the {PLOT_RECORD} beside "
-            f"its charts names them{foreign_record}): plot would replace {them}; choose another directory or move {them}")
+            f"its charts names them{foreign_record}): plot would replace {them}; choose another directory or "
+            f"move {them}")
 
 
 def _replace_earlier_plot(out: Path, written: list[Path], run_dirs: list[str | Path]) -> None:

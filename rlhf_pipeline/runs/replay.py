@@ -345,12 +345,13 @@ def prepare_replay_run(pipeline, paths: RunPaths, record: dict[str, Any], option
         if saved is not None:  # a branch's settings are its parent's with its changes: they must hold too
             resumed_from = run_checkpoints(paths).latest_step() or 0
             in_force = settings_in_force(paths.store, saved, resumed_from)
-            changed = settings_changes(in_force, pipeline.settings, tag="[replay]",
+            refused = settings_changes(in_force, pipeline.settings, tag="[replay]",
                                        since=f"step {resumed_from}" if recorded and resumed_from else
                                        "the replay started" if recorded else "the branch was made")
-            changed = [*changed.values(), *(f"--{k.replace('_', '-')}: was {recorded.get(k)!r}, now {record[k]!r}"
-                        for k in sorted(dataclasses.asdict(options)) if recorded
-                        and k not in _RESUMABLE_OPTIONS and k in record and recorded.get(k) != record[k])]
+            changed = [*refused.values(), *(
+                f"--{k.replace('_', '-')}: was {recorded.get(k)!r}, now {record[k]!r}"
+                for k in sorted(dataclasses.asdict(options)) if recorded
+                and k not in _RESUMABLE_OPTIONS and k in record and recorded.get(k) != record[k])]
             if changed and recorded is None:
                 raise ReplayError(f"run directory {paths.location} is a branch made with other settings "
                                   f"({'; '.join(changed)}); replay it with its settings (runs/branch.py)")
