@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import preloaded
 
 from rlhf_pipeline.learn.checkpoint import CheckpointManager
 from rlhf_pipeline.learn.metrics import read_metrics
@@ -190,9 +191,10 @@ def test_a_reward_that_answers_wrongly_mid_run_stops_it_in_one_line_naming_the_f
         'calls = []\n'
         '    rewards = {"toy": lambda prompts, completions, **fields: '
         'calls.append(1) or toy_reward(prompts, completions, **fields)[len(calls) > 1:]}'))
-    result = subprocess.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(breaks), "--home",
-                             str(tmp_path), "--steps", "20", *FAST], cwd=REPO, capture_output=True, text=True,
-                            timeout=300)
+    # not about the start: forked from a preloaded process (tests/preloaded.py), as the runs of most tests are
+    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(breaks), "--home", str(tmp_path),
+               "--steps", "20", *FAST]
+    result = preloaded.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     out = result.stdout + result.stderr
     assert result.returncode == 2, out[-3000:]  # run's error: a child failed
     assert "Traceback" not in out, out[-3000:]
@@ -205,14 +207,12 @@ def test_a_reward_that_answers_wrongly_mid_run_stops_it_in_one_line_naming_the_f
     # the fix is in the pipeline file: the same command is refused as a change to what the run trains,
     # saying how to go on; done so, the run resumes from the learner's checkpoint and ends
     breaks.write_text(Path(DEFAULT).read_text())
-    command = [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", str(breaks), "--home", str(tmp_path),
-               "--steps", "20", *FAST]
-    refused = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    refused = preloaded.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     copy = tmp_path / "breaks" / "pipeline.py"
     assert refused.returncode == 2 and f"to go on with the changed files, remove {copy} and start again" in \
         refused.stderr, refused.stderr[-3000:]
     copy.unlink()
-    resumed = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
+    resumed = preloaded.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and "[learner] resuming from " in resumed.stderr, resumed.stderr[-3000:]
     assert "[run] done: 20 learner steps" in resumed.stderr, resumed.stderr[-3000:]
 
