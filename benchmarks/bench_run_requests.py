@@ -6,18 +6,20 @@ its request log on, and reads the log: every request, by method and by what it i
 prefix, or the first part of the key under the run: ``buffer``, ``weights``, ``pacing.json``, ...).
 A checkout runs its own code: the command runs with it as working directory and on ``PYTHONPATH``.
 The table gives the median count of each kind over the repeats with its range, then the totals, the
-run's wall time and the load at the starts::
+run's wall time, the seconds a learner step took and the load at the starts. ``--latency-ms`` answers
+each request that much later, as a cloud's round trip does::
 
     python benchmarks/bench_run_requests.py --checkout before=/tmp/older --checkout after=. --repeat 3
 
 (``/tmp/older``: e.g. ``git worktree add /tmp/older <commit>``.) moto answers in a few milliseconds on
-loopback: the counts carry to a cloud, the wall times do not (add 20-50 ms a request there). Needs
-the s3 and test-s3 extras.
+loopback: the counts carry to a cloud, the wall times only with the round trip a cloud adds (20-50 ms a
+request; ``--latency-ms 30``). Needs the s3 and test-s3 extras.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import socket
@@ -41,10 +43,13 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def start_moto(log: Path) -> tuple[subprocess.Popen, str]:
-    """moto's S3 server in a process of its own, one log line per request (werkzeug's) into ``log``."""
+def start_moto(log: Path, latency_s: float = 0.0) -> tuple[subprocess.Popen, str]:
+    """moto's S3 server in a process of its own, one log line per request (werkzeug's) into ``log``;
+    each request answered ``latency_s`` late, as a round trip to a cloud adds."""
     port = free_port()
-    code = ("import time; from moto.server import ThreadedMotoServer; "
+    code = ("import time; from moto.server import DomainDispatcherApplication, ThreadedMotoServer; "
+            "answer = DomainDispatcherApplication.__call__; "
+            f"DomainDispatcherApplication.__call__ = lambda app, *a: time.sleep({latency_s}) or answer(app, *a); "
             f"ThreadedMotoServer(ip_address='127.0.0.1', port={port}, verbose=True).start(); time.sleep(1e9)")
     server = subprocess.Popen([sys.executable, "-c", code], stdout=log.open("w"), stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 60
@@ -75,10 +80,10 @@ def kind_of(method: str, target: str, run_prefix: str) -> str:
     return f"{method} {re.sub(r'[0-9]{4,}', 'N', head)}"
 
 
-def run_once(checkout: Path, steps: int, scratch: Path) -> dict:
+def run_once(checkout: Path, steps: int, scratch: Path, latency_s: float = 0.0) -> dict:
     """One run from ``checkout`` against a fresh moto; its requests by kind, its wall time, the load."""
     log = scratch / f"moto-{uuid.uuid4().hex[:8]}.log"
-    server, endpoint = start_moto(log)
+    server, endpoint = start_moto(log, latency_s)
     try:
         env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
                "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
@@ -96,13 +101,25 @@ def run_once(checkout: Path, steps: int, scratch: Path) -> dict:
         wall = time.time() - started
         if result.returncode != 0:
             raise SystemExit(f"the run from {checkout} failed (exit code {result.returncode}):\n{result.stderr[-3000:]}")
+        step_s = step_seconds(f"s3://{BUCKET}/{prefix}/r", checkout, env)
     finally:
         server.kill()
         server.wait()
     kinds = Counter(kind_of(method, target, f"{prefix}/r/")
                     for method, target in _REQUEST.findall(log.read_text(errors="replace")))
     kinds.pop("PUT /", None)  # the bucket's creation, before the run
-    return {"kinds": kinds, "total": sum(kinds.values()), "wall_s": wall, "load": load}
+    return {"kinds": kinds, "total": sum(kinds.values()), "wall_s": wall, "load": load, "step_s": step_s}
+
+
+def step_seconds(run: str, checkout: Path, env: dict[str, str]) -> float:
+    """The seconds between the run's first and last learner steps, per step, from the times its metrics
+    log records (read by the checkout's own code, in a process with the server's address)."""
+    code = ("import json, sys; from rlhf_pipeline.learn.metrics import read_metrics; "
+            "from rlhf_pipeline.runs.lineage import run_store_at; "
+            "print(json.dumps([r['time'] for r in read_metrics('metrics.jsonl', store=run_store_at(sys.argv[1]))]))")
+    times = json.loads(subprocess.run([sys.executable, "-c", code, run], cwd=checkout, env=env, capture_output=True,
+                                      text=True, check=True).stdout)
+    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 def main(argv: list[str]) -> int:
@@ -112,13 +129,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rows", type=int, default=16, help="the kinds shown, the most frequent first (the rest summed)")
+    parser.add_argument("--latency-ms", type=float, default=0.0,
+                        help="added to every request's answer, as a cloud's round trip (20-50 ms) adds")
     args = parser.parse_args(argv)
     sides = [(c.split("=", 1)[0], Path(c.split("=", 1)[1]).resolve()) for c in args.checkout] or [("this", REPO)]
     runs: dict[str, list[dict]] = {name: [] for name, _ in sides}
     with tempfile.TemporaryDirectory(prefix="bench-run-requests-") as scratch:
         for repeat in range(args.repeat):
             for name, checkout in (sides if repeat % 2 == 0 else sides[::-1]):
-                record = run_once(checkout, args.steps, Path(scratch))
+                record = run_once(checkout, args.steps, Path(scratch), args.latency_ms / 1e3)
                 runs[name].append(record)
                 print(f"{name}: {record['total']} requests, {record['wall_s']:.1f} s, load {record['load']:.1f}",
                       file=sys.stderr, flush=True)
@@ -131,8 +150,9 @@ def main(argv: list[str]) -> int:
     def cell(values: list[float], digits: int = 0) -> str:
         return f"{statistics.median(values):.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
 
+    late = f", {args.latency_ms:g} ms added to each request" if args.latency_ms else ""
     print(f"`python benchmarks/bench_run_requests.py {' '.join(argv)}`: `run pipelines/default.py --steps {args.steps}` "
-          f"with the whole run at an s3:// URL on moto; medians of {args.repeat} runs [range]")
+          f"with the whole run at an s3:// URL on moto{late}; medians of {args.repeat} runs [range]")
     print(f"| requests | {' | '.join(name for name, _ in sides)} |")
     print(f"|---|{'---|' * len(sides)}")
     for kind in shown:
@@ -141,6 +161,8 @@ def main(argv: list[str]) -> int:
     print(f"| the rest | {' | '.join(cell(values) for values in rest)} |")
     print(f"| **all** | {' | '.join(cell([r['total'] for r in runs[name]]) for name, _ in sides)} |")
     print(f"| wall s | {' | '.join(cell([r['wall_s'] for r in runs[name]], 1) for name, _ in sides)} |")
+    print(f"| s a learner step (its first to its last) | "
+          f"{' | '.join(cell([r['step_s'] for r in runs[name]], 3) for name, _ in sides)} |")
     print(f"| load at the starts | {' | '.join(cell([r['load'] for r in runs[name]], 1) for name, _ in sides)} |")
     if len(sides) > 1:
         base = statistics.median(r["total"] for r in runs[sides[0][0]])
