@@ -119,7 +119,7 @@ def step_seconds(run: str, checkout: Path, env: dict[str, str]) -> float:
             "print(json.dumps([r['time'] for r in read_metrics('metrics.jsonl', store=run_store_at(sys.argv[1]))]))")
     times = json.loads(subprocess.run([sys.executable, "-c", code, run], cwd=checkout, env=env, capture_output=True,
                                       text=True, check=True).stdout)
-    return (times[-1] - times[0]) / (len(times) - 1)
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")  # --steps 1: no gap
 
 
 def main(argv: list[str]) -> int:

@@ -226,7 +226,8 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     drawn = charts_to_draw(data)
-    _refuse_files_not_plotted(out, [f"{chart.name}.png" for chart in drawn] + ["overview.png"] * bool(drawn))
+    earlier = _earlier_charts(out)  # read once: the refusal and the clean-up after drawing both go by it
+    _refuse_files_not_plotted(out, [f"{chart.name}.png" for chart in drawn] + ["overview.png"] * bool(drawn), earlier)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for chart in drawn:
@@ -248,7 +249,7 @@ def plot_runs(run_dirs: list[str | Path], out_dir: str | Path) -> list[Path]:
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
-    _replace_earlier_plot(out, written, run_dirs)
+    _replace_earlier_plot(out, written, run_dirs, earlier or [])
     return written
 
 
@@ -271,10 +272,10 @@ def _earlier_charts(out: Path) -> list[str] | None:
     return charts
 
 
-def _refuse_files_not_plotted(out: Path, names: list[str]) -> None:
+def _refuse_files_not_plotted(out: Path, names: list[str], earlier: list[str] | None) -> None:
     """Refuses, before any chart is written, to replace a file of ``out`` that no earlier plot wrote there:
-    a user's own ``reward.png`` or ``plot.json`` is theirs, not a chart to draw again."""
-    earlier = _earlier_charts(out)
+    a user's own ``reward.png`` or ``plot.json`` is theirs, not a chart to draw again. ``earlier``: what
+    :func:`_earlier_charts` read there."""
     taken = [name for name in (*names, PLOT_RECORD) if (out / name).exists()
              and (earlier is None or (name not in earlier and name != PLOT_RECORD))]
     if taken:
@@ -286,11 +287,11 @@ def _refuse_files_not_plotted(out: Path, names: list[str]) -> None:
             f"move {them}")
 
 
-def _replace_earlier_plot(out: Path, written: list[Path], run_dirs: list[str | Path]) -> None:
+def _replace_earlier_plot(out: Path, written: list[Path], run_dirs: list[str | Path], earlier: list[str]) -> None:
     """Removes the charts an earlier plot into ``out`` wrote and this one did not (an evaluation chart of
     runs not drawn now read as these runs'), by its record only: no other file of ``out`` is touched."""
     drawn = sorted(path.name for path in written)
-    for name in _earlier_charts(out) or []:
+    for name in earlier:
         if name not in drawn and name == Path(name).name and name.endswith(".png"):
             (out / name).unlink(missing_ok=True)
     (out / PLOT_RECORD).write_text(json.dumps({"runs": [str(run) for run in run_dirs], "charts": drawn}, indent=1)
