@@ -201,6 +201,7 @@ def finite_error(key: str, value: Any, default: Any, *, takes_none: bool) -> str
             f"give one{offer}")
 
 
+@functools.cache  # settings are checked as they are built, the loss's once a learner step: resolve once
 def _hints(cls: type) -> dict[str, Any]:
     try:
         return typing.get_type_hints(cls)
