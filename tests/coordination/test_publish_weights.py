@@ -1,6 +1,7 @@
 """The learner's publishes of ``weights/`` (``publish_weights``) with its own listing of it, kept up to
 date by each publish in place of a LIST request each time: the same versions published and pruned."""
 
+import pytest
 import torch
 
 from rlhf_pipeline.coordination.weights import WEIGHTS, publish_weights, published_versions
@@ -39,3 +40,33 @@ def test_publishes_at_a_url_with_the_learners_own_listing_send_no_list(s3_server
     assert not [path for _, path in sent if "list-type=2" in path], sent
     assert sorted(method for method, _ in sent) == ["DELETE"] * 2 + ["PUT"] * 5, sent
     assert published_versions(store) == [0, 3, 4, 5] and sorted(listing) == sorted(store.list(WEIGHTS))
+
+
+def test_a_version_published_onto_a_full_disk_is_the_os_error_and_the_versions_before_stay_whole(small_disk):
+    """The learner's publish on a full disk (`run` says the error in one line, and the same command
+    resumes): the OS error names the version's partial file, which is gone; the versions before are
+    listed and load as they were, and once there is room the same version publishes."""
+    import errno
+
+    from helpers import fill
+
+    from rlhf_pipeline.coordination.weights import load_weights
+
+    store = LocalRunStore(small_disk / "run")
+    publish_weights(store, state(0), 0)
+    publish_weights(store, state(1), 1)
+    large = {"weight": torch.ones(512, 1024)}  # 2 MiB
+    filler = fill(small_disk, leave_bytes=256 * 1024)
+    with pytest.raises(OSError) as failed:
+        publish_weights(store, large, 2)
+    assert failed.value.errno == errno.ENOSPC, failed.value
+    assert failed.value.filename.startswith(str(small_disk / "run" / WEIGHTS / "policy_00000002")), failed.value
+    assert not [p.name for p in (small_disk / "run" / WEIGHTS).iterdir() if "partial" in p.name]
+    assert published_versions(store) == [0, 1]
+    weights, version = load_weights(store)
+    assert version == 1 and torch.equal(weights["weight"], state(1)["weight"])
+
+    filler.unlink()
+    publish_weights(store, large, 2)
+    weights, version = load_weights(store)
+    assert version == 2 and torch.equal(weights["weight"], large["weight"])
