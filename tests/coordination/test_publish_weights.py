@@ -1,10 +1,14 @@
 """The learner's publishes of ``weights/`` (``publish_weights``) with its own listing of it, kept up to
-date by each publish in place of a LIST request each time: the same versions published and pruned."""
+date by each publish in place of a LIST request each time: the same versions published and pruned; and
+a publish onto a full disk."""
+
+import errno
 
 import pytest
 import torch
+from helpers import fill
 
-from rlhf_pipeline.coordination.weights import WEIGHTS, publish_weights, published_versions
+from rlhf_pipeline.coordination.weights import WEIGHTS, load_weights, publish_weights, published_versions
 from rlhf_pipeline.files.run_store import LocalRunStore
 
 
@@ -46,12 +50,6 @@ def test_a_version_published_onto_a_full_disk_is_the_os_error_and_the_versions_b
     """The learner's publish on a full disk (`run` says the error in one line, and the same command
     resumes): the OS error names the version's partial file, which is gone; the versions before are
     listed and load as they were, and once there is room the same version publishes."""
-    import errno
-
-    from helpers import fill
-
-    from rlhf_pipeline.coordination.weights import load_weights
-
     store = LocalRunStore(small_disk / "run")
     publish_weights(store, state(0), 0)
     publish_weights(store, state(1), 1)
