@@ -135,10 +135,18 @@ class Pipeline:
     def initial_policy(self) -> Any:
         """``make_policy()``, refused when one of its weights is not finite (a warm start that diverged):
         never published as version 0, trained or scored with, where every collector would die sampling
-        from it and a learner would refuse its first step blaming ``learner.lr``."""
+        from it and a learner would refuse its first step blaming ``learner.lr``. So is one that a LoRA
+        run's ``learner.lora.target_modules`` do not fit, before anything is published."""
         import torch
 
         model = self.make_policy()
+        if self.learner.lora.enabled:
+            from rlhf_pipeline.models.lora import check_target_modules
+
+            try:
+                check_target_modules(model, self.learner.lora.target_modules)
+            except ValueError as exc:
+                raise PipelineError(f"{exc}; nothing was published or trained") from None
         # values, not a norm: a half-precision model's norm may overflow where no value does
         found = next((name for name, value in model.state_dict().items()
                       if value.is_floating_point() and not bool(torch.isfinite(value).all())), None)

@@ -4,9 +4,9 @@ which the command line prints in one line (``cli/main.py``) and exits 2.
 :class:`NonFiniteStep`: a step whose loss, gradients or new weights are not finite is refused, not
 skipped; nothing of it is published or checkpointed, so the newest checkpoint and every published
 version stay finite. :class:`CheckpointRefused`: a checkpoint this run's settings cannot resume (a
-full-weight checkpoint resumed as a LoRA run, or the reverse, ``learn/lora.py``), naming the setting.
-:class:`TooFewDevices`: more data-parallel ranks on one machine than it has GPUs. :class:`DataTimeoutError`:
-no rows to train on for ``learner.data_timeout_s``; :class:`NoRowsToReplay`: an epoch over an empty buffer.
+full-weight checkpoint resumed as a LoRA run, or the reverse, ``learn/lora.py``), naming the setting;
+:class:`AdapterRefused`: LoRA targets the model has no layer of. :class:`TooFewDevices`: more data-parallel ranks
+than GPUs. :class:`DataTimeoutError`: no rows for ``learner.data_timeout_s``; :class:`NoRowsToReplay`: an empty epoch.
 Design: docs/learner.md#a-step-that-is-not-finite.
 """
 
@@ -46,6 +46,11 @@ class NonFiniteStep(LearnerRefused, RuntimeError):
 class CheckpointRefused(LearnerRefused, ValueError):
     """The run's checkpoint cannot be resumed with this run's settings; the message names the setting
     and the value that resumes it."""
+
+
+class AdapterRefused(LearnerRefused, ValueError):
+    """A LoRA run's ``learner.lora.target_modules`` name a layer the model does not have; the message
+    lists the ones it has."""
 
 
 class TooFewDevices(LearnerRefused, ValueError):

@@ -14,13 +14,14 @@ from typing import Any
 
 import torch
 
-from rlhf_pipeline.learn.errors import CheckpointRefused
+from rlhf_pipeline.learn.errors import AdapterRefused, CheckpointRefused
 from rlhf_pipeline.learn.settings import LoraSettings
 from rlhf_pipeline.models.lora import (
     PolicyAdapter,
     adapter_config_of,
     adapter_tensors,
     canary_of,
+    check_target_modules,
     load_adapter_tensors,
     state_digest,
     with_lora,
@@ -80,6 +81,10 @@ class LoraPolicy:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` (holding the base) with a fresh adapter; only the adapter trains."""
         s = self.settings
+        try:  # a resume that changed them before any checkpoint: the start of a run checked them already
+            check_target_modules(model, s.target_modules)
+        except ValueError as exc:
+            raise AdapterRefused(str(exc)) from None
         return with_lora(model, s.rank, s.alpha, s.dropout, s.target_modules)
 
     def checkpoint_state(self, model: torch.nn.Module) -> dict[str, Any]:

@@ -104,16 +104,20 @@ def lora_config(rank: int, alpha: float, dropout: float, target_modules: Sequenc
                                         target_modules=list(target_modules), bias="none")
 
 
-def with_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
-              target_modules: Sequence[str]) -> torch.nn.Module:
-    """``model`` (its weights frozen) with a fresh adapter (B = 0: the same function as ``model``).
-    A target that names no layer of ``model`` is one ValueError naming the setting."""
-    peft = peft_or_explain()
+def check_target_modules(model: torch.nn.Module, target_modules: Sequence[str]) -> None:
+    """One ValueError naming the setting when a target names no linear layer of ``model``."""
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     missing = [t for t in target_modules if t not in names]
     if missing:
         raise ValueError(f"setting 'learner.lora.target_modules' names {missing}, which no linear layer of the "
-                         f"model is called; its linear layers: {sorted(names)}")
+                         f"model is called; its linear layers: {sorted(names)}: name some of those (comma-separated)")
+
+
+def with_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
+              target_modules: Sequence[str]) -> torch.nn.Module:
+    """``model`` (its weights frozen) with a fresh adapter (B = 0: the same function as ``model``)."""
+    peft = peft_or_explain()
+    check_target_modules(model, target_modules)
     with warnings.catch_warnings():  # transformers' deprecation notice for an attribute peft reads
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return peft.get_peft_model(model, lora_config(rank, alpha, dropout, target_modules))

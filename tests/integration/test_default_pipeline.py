@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import run_child_pids, run_on_terminal, screen_lines
+from helpers import needs_peft, run_child_pids, run_on_terminal, screen_lines
 import preloaded
 from process_tree import tree, wait_gone
 
@@ -132,6 +132,26 @@ def test_an_initial_policy_that_is_not_finite_is_never_published(tmp_path):
                     "--set", "warm_start_steps=20", timeout=300)
     assert corrected.returncode == 0, corrected.stderr[-3000:]
     assert json.loads((tmp_path / "nan" / "settings.json").read_text())["warm_start_lr"] == 3e-3
+
+
+@needs_peft
+def test_lora_targets_the_model_lacks_are_refused_before_anything_is_published(tmp_path):
+    """They were found by the learner's setup after version 0 was published and the collectors had
+    started: a traceback from peft, and a round of rows written for nothing."""
+    result = cli("run", DEFAULT, "--home", str(tmp_path), "--run-name", "lora", "--steps", "2",
+                 "--set", "warm_start_steps=5", "--set", "learner.lora.rank=4",
+                 "--set", "learner.lora.target_modules=q_proj,qproj", timeout=300)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("rlhf-pipeline run: error: setting 'learner.lora.target_modules' names ['qproj'], which "
+                            "no linear layer of the model is called; its linear layers: ["), result.stderr[-3000:]
+    assert error.endswith("nothing was published or trained") and "'v_proj'" in error
+    run = tmp_path / "lora"
+    # nothing built with those settings is kept, so the corrected command under the same name starts the run
+    assert not (run / "weights").exists() and not (run / "settings.json").exists()
+    with open_buffer(run / "buffer", mode="r") as buffer:
+        assert len(buffer) == 0
 
 
 @pytest.mark.parametrize("steps", [["--steps", "0"], ["--steps", "-5"], ["--set", "steps=0"]])

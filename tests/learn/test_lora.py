@@ -17,6 +17,7 @@ from rlhf_pipeline.coordination.weights import (
     published_versions,
     retract_versions_after,
 )
+from rlhf_pipeline.learn.errors import AdapterRefused, LearnerRefused
 from rlhf_pipeline.learn.learner import Learner
 from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings, LoraSettings
@@ -108,6 +109,21 @@ def test_a_lora_learner_trains_and_publishes_only_the_adapter(tmp_path):
     state = torch.load(run.checkpoints.latest(), weights_only=True)
     assert set(state["model"]) == set(adapter)  # the adapter, not the base
     assert state["lora"]["rank"] == 4 and len(state["lora"]["base_digest"]) == 64
+
+
+@needs_peft
+def test_lora_targets_the_model_lacks_are_refused_in_one_line_naming_the_layers_it_has(tmp_path):
+    """A start whose version 0 is published and that has no checkpoint yet (the run's own start checked
+    the targets before publishing: tests/integration/test_lora_resume.py): the learner's setup refuses
+    them by name, a LearnerRefused the command line prints in one line, not peft's traceback."""
+    run = learner(make_run(tmp_path), steps=2, lora=dataclasses.replace(LORA, target_modules=("q_proj", "qproj")))
+    with pytest.raises(AdapterRefused) as refused:
+        run.setup()
+    assert isinstance(refused.value, LearnerRefused)
+    message = str(refused.value)
+    assert message.startswith("setting 'learner.lora.target_modules' names ['qproj'], which no linear layer")
+    assert all(name in message for name in ("'q_proj'", "'v_proj'", "'up_proj'")), message
+    run.cleanup()
 
 
 @needs_peft
