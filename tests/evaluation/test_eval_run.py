@@ -103,8 +103,8 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     assert refused.returncode == 2
     where = run if "://" in run else str(Path(run).resolve())
     assert refused.stderr.strip().splitlines() == [
-        f"rlhf-pipeline eval: error: --step 1: no policy of that step is kept in {where} (versions are published "
-        f"every 1 steps; kept steps: {', '.join(map(str, kept))})"]
+        f"rlhf-pipeline eval: error: --step 1: no policy of that step is kept in {where}, nor a result of it with "
+        f"these eval settings (versions are published every 1 steps; kept steps: {', '.join(map(str, kept))})"]
 
     # a version kept only by its checkpoint (its weights pruned) is read from the checkpoint, at a URL too
     store = run_store_at(run)
@@ -136,6 +136,19 @@ def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, ca
     lines = [line for line in stopped.stdout.splitlines() if line.startswith("held_out-k3-t1 step ")]
     assert len(lines) == len(kept) and not any("failed" in line for line in lines), stopped.stdout
     assert lines[-1].endswith(": not evaluated; stopped before it: the same command evaluates it"), stopped.stdout
+
+    # a step evaluated beside training whose policy is gone since (pruned by then, or deleted here: which versions
+    # a run keeps past its checkpoints depends on when the evaluator let them go): its stored result is the
+    # answer, not the refusal of step 1
+    if 2 in published_versions(store):
+        store.delete(f"weights/{published_objects(store)[2]}")
+    assert 2 not in kept_versions(run)
+    pruned = command_here(capsys, "eval", run, "--step", "2")
+    assert pruned.returncode == 0, pruned.stderr
+    evaluated = logged(run, "eval/metrics.jsonl")
+    assert pruned.stdout.startswith(f"held_out step 2 (policy version 2): pass@1 "
+                                    f"{evaluated[1]['eval/held_out/pass@1']:.3f}"), pruned.stdout
+    assert "[eval]" not in pruned.stdout
 
 
 @AT_A_URL_ON_S3
