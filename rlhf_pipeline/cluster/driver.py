@@ -3,8 +3,9 @@
 The driver prepares the run as ``run`` does, joins the cluster at ADDRESS (or starts a local one)
 and starts a :class:`~rlhf_pipeline.cluster.actors.RunControl` actor, ``--collectors N`` collector
 actors spread over the nodes, ``learner.world_size`` learner actors and, with ``eval.every_steps``, an
-evaluator actor (whose failure is said in one line and stops nothing). Failures and stopping are
-handled as ``run`` handles its processes. User's guide: docs/ray.md; design: docs/architecture.md#ray.
+evaluator actor once they run (its failure, or no room for it, is said in one line and stops nothing).
+Failures and stopping are handled as ``run`` handles its processes. User's guide: docs/ray.md; design:
+docs/architecture.md#ray.
 """
 
 from __future__ import annotations
@@ -147,6 +148,33 @@ def _start_control(ray: Any, paths: RunPaths) -> Any:
                        f"run first, or start a new one with --run-name NAME") from None
 
 
+def _say_what_does_not_fit(ray: Any, resources: RaySettings, collectors: int, world_size: int,
+                           evaluate: bool) -> bool:
+    """One line when the run's actors ask for more CPUs or GPUs than the cluster has (Ray keeps an
+    actor that does not fit waiting, without a word, until a node with room joins); False then."""
+    total, fits = ray.cluster_resources(), True
+    for kind, learner_asks, collector_asks in (("CPU", resources.learner_num_cpus, resources.collector_num_cpus),
+                                               ("GPU", resources.learner_num_gpus, resources.collector_num_gpus)):
+        asks = world_size * learner_asks + (collectors + evaluate) * collector_asks
+        has = total.get(kind, 0.0)
+        if asks <= has + 1e-9:
+            continue
+        fits = False
+        parts = [f"{'the learner' if world_size == 1 else f'{world_size} learner ranks'} {learner_asks:g}"
+                 + (" each" if world_size > 1 else "")]
+        if collectors:
+            parts.append(f"{collectors} collector{'s' if collectors > 1 else ''} {collector_asks:g}"
+                         + (" each" if collectors > 1 else ""))
+        if evaluate:
+            parts.append(f"the evaluator {collector_asks:g}")
+        unit = kind.lower() + "s"
+        print(f"[run] the run's actors ask Ray for {asks:g} {kind}s ({', '.join(parts)}) and the cluster has {has:g}: "
+              f"those that do not fit wait until a node with room joins (the evaluator waits first). Give each less "
+              f"(--set ray.collector_num_{unit}=... / ray.learner_num_{unit}=...), start fewer collectors, or add a "
+              f"node", file=sys.stderr, flush=True)
+    return fits
+
+
 def control_actor_name(paths: RunPaths) -> str:
     """The name of a run's control actor in :data:`NAMESPACE` (tests and tools find it by it)."""
     return f"run:{paths.location}"
@@ -191,17 +219,37 @@ class _RayRun:
             .remote(job, rank, world_size)
             for rank in range(world_size)
         ]
+        self.training_actors = ([f"collector {k}" if collectors > 1 else "collector" for k in self.collectors]
+                                + ["learner" if world_size == 1 else f"learner rank {r}" for r in range(world_size)])
         # beside the collectors, with a collector's resources; restarted as they are, it resumes from its
-        # stores' writer state
-        self.evaluator = EvaluatorActor.options(
+        # stores' writer state. Made once every training actor runs (_start_the_evaluator): on a cluster
+        # without room for all, the evaluator is the one that waits, never a collector or the learner
+        self.make_evaluator = (lambda: EvaluatorActor.options(
             num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
-            max_restarts=restarts, max_task_retries=retries).remote(job) if evaluate else None
+            max_restarts=restarts, max_task_retries=retries).remote(job)) if evaluate else None
+        self.evaluator = self.evaluator_task = None
+        self.evaluator_said = False
+        self.everything_fits = _say_what_does_not_fit(ray, resources, collectors, world_size, evaluate)
         master = ray.get(self.learners[0].rendezvous.remote())
         self.collector_tasks = {k: actor.run.remote() for k, actor in self.collectors.items()}
-        self.evaluator_task = self.evaluator.run.remote() if self.evaluator is not None else None
-        self.evaluator_said = False
         self.learner_tasks = [actor.run.remote(*master) for actor in self.learners]
         self.signals: LauncherSignals | None = None
+
+    def _start_the_evaluator(self) -> None:
+        """Makes the evaluator actor once every collector and learner has started."""
+        if self.make_evaluator is None or self.evaluator is not None:
+            return
+        started = self.ray.get(self.control.processes.remote())
+        if all(name in started for name in self.training_actors):
+            self.evaluator = self.make_evaluator()
+            self.evaluator_task = self.evaluator.run.remote()
+
+    def _evaluator_waits_for_room(self) -> bool:
+        """Not started, on a cluster too small for it (made last, it is the actor that waits): one that
+        fits may still be starting its process."""
+        if self.make_evaluator is None or self.everything_fits:
+            return False
+        return self.evaluator is None or "evaluator" not in self.ray.get(self.control.processes.remote())
 
     # ------------------------------------------------------------------ watching
     def watch(self) -> int:
@@ -220,6 +268,7 @@ class _RayRun:
         while not signals.received:
             watched = [*self.learner_tasks, *self.collector_tasks.values()]
             ready, _ = ray.wait(watched, num_returns=len(watched), timeout=0.2)
+            self._start_the_evaluator()
             self._say_if_the_evaluator_ended(training_done=False)
             if not ready or signals.received:  # (a Ctrl-C that reached the actors too ends them now)
                 continue
@@ -242,7 +291,11 @@ class _RayRun:
                            f"rerun the same command to resume")
         # the learner wrote STOP: every collector ends after its round, the evaluator after the versions left
         self._wait(list(self.collector_tasks.values()), stopping.COLLECTOR_FINISH_S)
-        if self.evaluator_task is not None:
+        if self._evaluator_waits_for_room():  # nothing to wait for
+            print(f"[run] the evaluator never started: the Ray cluster had no room for it beside the collectors and "
+                  f"the learner (see above); `rlhf-pipeline eval {self.paths.location}` evaluates the run's kept "
+                  f"versions", file=sys.stderr, flush=True)
+        elif self.evaluator_task is not None:
             self._wait([self.evaluator_task], stopping.EVALUATOR_FINISH_S)
             self._say_if_the_evaluator_ended(training_done=True)
         time.sleep(LOG_FLUSH_S)  # Ray forwards what actors print from their log files, a little later

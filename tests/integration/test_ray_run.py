@@ -306,6 +306,27 @@ def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_
         assert sorted(t for v, t in samples if v == version) == list(range(first, first + 160))
 
 
+def test_an_evaluator_the_cluster_has_no_room_for_waits_without_holding_up_training_or_the_end(ray_cluster, tmp_path):
+    """The learner (1 CPU) and 2 collectors (0.5 each) fill the module's 2-CPU cluster. The evaluator was
+    made with them: it waited without a word for room that never came, and the driver then waited 600 s
+    for it after the last step (or it took a collector's place, which then waited instead). Now the
+    driver says what does not fit, makes the evaluator once training runs, and ends with the learner."""
+    run = tmp_path / "run"
+    driver = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", ray_cluster,
+                            "--home", str(tmp_path), "--run-name", "run", "--steps", "2", "--collectors", "2",
+                            *[a for s in [*SMALL, "eval.every_steps=2"] for a in ("--set", s)]],
+                           cwd=REPO, capture_output=True, text=True, timeout=400)  # a bound for a hung run only
+    out = driver.stdout + driver.stderr
+    assert driver.returncode == 0, out[-3000:]
+    assert ("[run] the run's actors ask Ray for 2.5 CPUs (the learner 1, 2 collectors 0.5 each, the evaluator 0.5) "
+            "and the cluster has 2: ") in out, out[-3000:]
+    assert "[run] the evaluator never started: the Ray cluster had no room for it" in out, out[-3000:]
+    assert "[run] done: 2 learner steps" in out and "[eval]" not in out, out[-3000:]
+    for k in (0, 1):  # both collectors ran
+        with open_store(run / "buffer" / f"shard-000{k}", mode="r") as shard:
+            assert len(shard) > 0, k
+
+
 def test_one_sigterm_to_a_run_on_ray_whose_collector_is_stuck_in_a_round_ends_it(ray_cluster, tmp_path,
                                                                                    monkeypatch, capsys):
     """One SIGTERM with the collector actor stuck in a round (a reward that never returns): the driver
