@@ -80,12 +80,13 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
     try:
         from rlhf_pipeline.cluster.actors import ActorJob
 
+        evaluate = command == "run" and settings.eval.enabled
+        room = _check_room(ray, resources, collectors, world_size, evaluate, cluster_grows=not started)
         control = _start_control(ray, paths)
         job = ActorJob(pipeline_path=os.path.abspath(pipeline_path), overrides=tuple(overrides),
                        run_root=paths.location, control_name=control_actor_name(paths))
         _offer_initial_weights(ray, control, paths)
-        run = _RayRun(ray, job, paths, resources, collectors, world_size,
-                      evaluate=command == "run" and settings.eval.enabled)
+        run = _RayRun(ray, job, paths, resources, collectors, world_size, evaluate=evaluate, room=room)
         try:
             return run.watch()
         finally:
@@ -148,18 +149,21 @@ def _start_control(ray: Any, paths: RunPaths) -> Any:
                        f"run first, or start a new one with --run-name NAME") from None
 
 
-def _say_what_does_not_fit(ray: Any, resources: RaySettings, collectors: int, world_size: int,
-                           evaluate: bool) -> bool:
-    """One line when the run's actors ask for more CPUs or GPUs than the cluster has (Ray keeps an
-    actor that does not fit waiting, without a word, until a node with room joins); False then."""
-    total, fits = ray.cluster_resources(), True
+def _check_room(ray: Any, resources: RaySettings, collectors: int, world_size: int, evaluate: bool, *,
+                cluster_grows: bool) -> tuple[bool, bool]:
+    """Whether the cluster has room for the learner and collectors, and for every actor; when not, one
+    line says so (Ray keeps an actor that does not fit waiting, without a word, until a node with room
+    joins). A cluster this run started has no node to wait for: the learner and collectors not fitting
+    there is refused (the evaluator not fitting only means it does not start)."""
+    total, room_for_training, room_for_all = ray.cluster_resources(), True, True
     for kind, learner_asks, collector_asks in (("CPU", resources.learner_num_cpus, resources.collector_num_cpus),
                                                ("GPU", resources.learner_num_gpus, resources.collector_num_gpus)):
-        asks = world_size * learner_asks + (collectors + evaluate) * collector_asks
-        has = total.get(kind, 0.0)
+        training = world_size * learner_asks + collectors * collector_asks
+        asks, has = training + evaluate * collector_asks, total.get(kind, 0.0)
         if asks <= has + 1e-9:
             continue
-        fits = False
+        room_for_all = False
+        room_for_training = room_for_training and training <= has + 1e-9
         parts = [f"{'the learner' if world_size == 1 else f'{world_size} learner ranks'} {learner_asks:g}"
                  + (" each" if world_size > 1 else "")]
         if collectors:
@@ -168,11 +172,17 @@ def _say_what_does_not_fit(ray: Any, resources: RaySettings, collectors: int, wo
         if evaluate:
             parts.append(f"the evaluator {collector_asks:g}")
         unit = kind.lower() + "s"
-        print(f"[run] the run's actors ask Ray for {asks:g} {kind}s ({', '.join(parts)}) and the cluster has {has:g}: "
-              f"those that do not fit wait until a node with room joins (the evaluator waits first). Give each less "
-              f"(--set ray.collector_num_{unit}=... / ray.learner_num_{unit}=...), start fewer collectors, or add a "
-              f"node", file=sys.stderr, flush=True)
-    return fits
+        asked = f"the run's actors ask Ray for {asks:g} {kind}s ({', '.join(parts)})"
+        remedy = (f"give each less (--set ray.collector_num_{unit}=... / ray.learner_num_{unit}=...), start fewer "
+                  f"collectors, or " + ("add a node" if cluster_grows else
+                                        f"start a cluster with more (`ray start --head --num-{unit} N`, which --ray "
+                                        f"then joins)"))
+        if not cluster_grows and training > has + 1e-9:
+            raise RunError(f"{asked}, and the local Ray cluster this run started has {has:g}: {remedy}")
+        waits = ("the evaluator does not start" if not cluster_grows
+                 else "those that do not fit wait until a node with room joins (the evaluator first)")
+        print(f"[run] {asked} and the cluster has {has:g}: {waits}. To fit, {remedy}", file=sys.stderr, flush=True)
+    return room_for_training, room_for_all
 
 
 def control_actor_name(paths: RunPaths) -> str:
@@ -194,23 +204,18 @@ class _RayRun:
     """The actors of one start of a run, and the driver's watch over them."""
 
     def __init__(self, ray: Any, job: Any, paths: RunPaths, resources: RaySettings, collectors: int,
-                 world_size: int, *, evaluate: bool = False) -> None:
+                 world_size: int, *, evaluate: bool = False, room: tuple[bool, bool] = (True, True)) -> None:
         from rlhf_pipeline.cluster.actors import CollectorActor, EvaluatorActor, LearnerActor
 
         self.ray, self.job, self.paths = ray, job, paths
         self.control = job.control
+        self.room_for_training, self.room_for_all = room  # else the actors that do not fit wait (_check_room)
         restarts = resources.max_restarts
         # the `run` task in flight runs again in the restarted actor. Its retries are unbounded
         # (-1) while restarts are bounded: a node lost with an actor fails its calls as
         # "unavailable" for the seconds until Ray declares the node dead, and a bounded count of
         # retries would be spent there, before the actor is restarted on a live node
         retries = -1 if restarts else 0
-        self.collectors = {
-            k: CollectorActor.options(num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
-                                      scheduling_strategy="SPREAD", max_restarts=restarts,
-                                      max_task_retries=retries).remote(job, k, collectors > 1)
-            for k in range(collectors)
-        }
         # one rank restarts alone; a rank of several cannot rejoin its group's collectives
         learner_restarts, learner_retries = (restarts, retries) if world_size == 1 else (0, 0)
         self.learners = [
@@ -219,8 +224,17 @@ class _RayRun:
             .remote(job, rank, world_size)
             for rank in range(world_size)
         ]
-        self.training_actors = ([f"collector {k}" if collectors > 1 else "collector" for k in self.collectors]
-                                + ["learner" if world_size == 1 else f"learner rank {r}" for r in range(world_size)])
+        # rank 0 placed before any collector is made: on a cluster without room for all, collectors wait, not
+        # the learner (which would leave the run waiting for ever)
+        master = ray.get(self.learners[0].rendezvous.remote())
+        self.collectors = {
+            k: CollectorActor.options(num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
+                                      scheduling_strategy="SPREAD", max_restarts=restarts,
+                                      max_task_retries=retries).remote(job, k, collectors > 1)
+            for k in range(collectors)
+        }
+        self.collector_names = {k: f"collector {k}" if collectors > 1 else "collector" for k in self.collectors}
+        self.learner_names = ["learner" if world_size == 1 else f"learner rank {r}" for r in range(world_size)]
         # beside the collectors, with a collector's resources; restarted as they are, it resumes from its
         # stores' writer state. Made once every training actor runs (_start_the_evaluator): on a cluster
         # without room for all, the evaluator is the one that waits, never a collector or the learner
@@ -229,8 +243,6 @@ class _RayRun:
             max_restarts=restarts, max_task_retries=retries).remote(job)) if evaluate else None
         self.evaluator = self.evaluator_task = None
         self.evaluator_said = False
-        self.everything_fits = _say_what_does_not_fit(ray, resources, collectors, world_size, evaluate)
-        master = ray.get(self.learners[0].rendezvous.remote())
         self.collector_tasks = {k: actor.run.remote() for k, actor in self.collectors.items()}
         self.learner_tasks = [actor.run.remote(*master) for actor in self.learners]
         self.signals: LauncherSignals | None = None
@@ -240,16 +252,19 @@ class _RayRun:
         if self.make_evaluator is None or self.evaluator is not None:
             return
         started = self.ray.get(self.control.processes.remote())
-        if all(name in started for name in self.training_actors):
+        if all(name in started for name in [*self.collector_names.values(), *self.learner_names]):
             self.evaluator = self.make_evaluator()
             self.evaluator_task = self.evaluator.run.remote()
 
-    def _evaluator_waits_for_room(self) -> bool:
-        """Not started, on a cluster too small for it (made last, it is the actor that waits): one that
-        fits may still be starting its process."""
-        if self.make_evaluator is None or self.everything_fits:
-            return False
-        return self.evaluator is None or "evaluator" not in self.ray.get(self.control.processes.remote())
+    def _waiting_for_room(self) -> list[str]:
+        """The collectors and the evaluator that never started, on a cluster too small for them: they wait
+        for room. Where there is room, one not started yet may be starting its process."""
+        waiting = [*(self.collector_names.values() if not self.room_for_training else ()),
+                   *(["evaluator"] if self.make_evaluator is not None and not self.room_for_all else [])]
+        if not waiting:
+            return []
+        started = self.ray.get(self.control.processes.remote())
+        return [name for name in waiting if name not in started]
 
     # ------------------------------------------------------------------ watching
     def watch(self) -> int:
@@ -289,9 +304,15 @@ class _RayRun:
             self._stop_all()
             raise RunError(f"the learner stopped before its last step (exit code {max(learner_codes)}); "
                            f"rerun the same command to resume")
-        # the learner wrote STOP: every collector ends after its round, the evaluator after the versions left
-        self._wait(list(self.collector_tasks.values()), stopping.COLLECTOR_FINISH_S)
-        if self._evaluator_waits_for_room():  # nothing to wait for
+        # the learner wrote STOP: every collector ends after its round, the evaluator after the versions left;
+        # an actor that never had room is not waited for
+        never = self._waiting_for_room()
+        if any(name != "evaluator" for name in never):
+            print(f"[run] {', '.join(n for n in never if n != 'evaluator')} never started: the Ray cluster had no "
+                  f"room (see above)", file=sys.stderr, flush=True)
+        self._wait([task for k, task in self.collector_tasks.items() if self.collector_names[k] not in never],
+                   stopping.COLLECTOR_FINISH_S)
+        if "evaluator" in never:
             print(f"[run] the evaluator never started: the Ray cluster had no room for it beside the collectors and "
                   f"the learner (see above); `rlhf-pipeline eval {self.paths.location}` evaluates the run's kept "
                   f"versions", file=sys.stderr, flush=True)

@@ -311,7 +311,6 @@ def test_an_evaluator_the_cluster_has_no_room_for_waits_without_holding_up_train
     made with them: it waited without a word for room that never came, and the driver then waited 600 s
     for it after the last step (or it took a collector's place, which then waited instead). Now the
     driver says what does not fit, makes the evaluator once training runs, and ends with the learner."""
-    run = tmp_path / "run"
     driver = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", ray_cluster,
                             "--home", str(tmp_path), "--run-name", "run", "--steps", "2", "--collectors", "2",
                             *[a for s in [*SMALL, "eval.every_steps=2"] for a in ("--set", s)]],
@@ -322,9 +321,28 @@ def test_an_evaluator_the_cluster_has_no_room_for_waits_without_holding_up_train
             "and the cluster has 2: ") in out, out[-3000:]
     assert "[run] the evaluator never started: the Ray cluster had no room for it" in out, out[-3000:]
     assert "[run] done: 2 learner steps" in out and "[eval]" not in out, out[-3000:]
-    for k in (0, 1):  # both collectors ran
-        with open_store(run / "buffer" / f"shard-000{k}", mode="r") as shard:
-            assert len(shard) > 0, k
+    # both collectors had their place: neither was waited for until killed, nor said never to have started
+    assert "did not stop within" not in out and "collector 1 never started" not in out, out[-3000:]
+
+
+def test_a_learner_the_local_cluster_a_run_starts_has_no_room_for_is_refused_in_one_line(tmp_path):
+    """``--ray`` with no cluster to join starts one of this machine's CPUs, which no node joins: a learner
+    asking for more waited there for ever, without a word (the driver's rendezvous with it)."""
+    more = os.cpu_count() + 1
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    driver = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray",
+                            "--home", str(tmp_path), "--run-name", "run", "--steps", "2",
+                            *[a for s in [*SMALL, f"ray.learner_num_cpus={more}"] for a in ("--set", s)]],
+                           cwd=REPO, capture_output=True, text=True, timeout=300, env=env)  # a bound for a hang only
+    assert driver.returncode == 2, driver.stderr[-3000:]
+    assert "Traceback" not in driver.stderr, driver.stderr[-3000:]
+    error = driver.stderr.strip().splitlines()[-1]  # the cluster's CPUs: this machine's, as Ray counts them
+    assert error.startswith(f"rlhf-pipeline run: error: the run's actors ask Ray for {more + 0.5:g} CPUs (the learner "
+                            f"{more}, 1 collector 0.5), and the local Ray cluster this run started has "), error
+    assert error.endswith(": give each less (--set ray.collector_num_cpus=... / ray.learner_num_cpus=...), start "
+                          "fewer collectors, or start a cluster with more (`ray start --head --num-cpus N`, which "
+                          "--ray then joins)"), error
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_one_sigterm_to_a_run_on_ray_whose_collector_is_stuck_in_a_round_ends_it(ray_cluster, tmp_path,
