@@ -81,7 +81,7 @@ class LoraPolicy:
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """``model`` (holding the base) with a fresh adapter; only the adapter trains."""
         s = self.settings
-        try:  # a resume that changed them before any checkpoint: the start of a run checked them already
+        try:  # a run's start checked them (Pipeline.initial_policy); a resume may have changed them since
             check_target_modules(model, s.target_modules)
         except ValueError as exc:
             raise AdapterRefused(str(exc)) from None

@@ -115,9 +115,9 @@ def check_target_modules(model: torch.nn.Module, target_modules: Sequence[str]) 
 
 def with_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float,
               target_modules: Sequence[str]) -> torch.nn.Module:
-    """``model`` (its weights frozen) with a fresh adapter (B = 0: the same function as ``model``)."""
+    """``model`` (its weights frozen) with a fresh adapter (B = 0: the same function as ``model``); its
+    targets checked first (:func:`check_target_modules`: the learner's ``LoraPolicy.wrap``)."""
     peft = peft_or_explain()
-    check_target_modules(model, target_modules)
     with warnings.catch_warnings():  # transformers' deprecation notice for an attribute peft reads
         warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
         return peft.get_peft_model(model, lora_config(rank, alpha, dropout, target_modules))

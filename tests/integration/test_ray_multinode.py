@@ -238,7 +238,9 @@ def test_nodes_lost_with_the_collector_then_the_learner_resume_elsewhere_and_the
                                cwd=driver, env=nodes.env("head"), stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True)
         try:
-            _wait_until(lambda: len(logged(run_url)) >= 2, run, 240)
+            # the learner's own intake, not the metrics log: uploaded every few seconds, that can show step 2 with
+            # the learner near its last step, and the run once ended before the learner's loss below was seen
+            _wait_until(lambda: learner_step(run_url) >= 2, run, 240)
             collectors, learners = actor_processes("CollectorActor"), actor_processes("LearnerActor")
             assert len(collectors) == 1 and len(learners) == 1, (collectors, learners, run.poll())
             (collector_cache,), (learner_cache,) = collectors.values(), learners.values()
