@@ -6,6 +6,8 @@ actors spread over the nodes, ``learner.world_size`` learner actors and, with ``
 evaluator actor once they run (its failure, or no room for it, is said in one line and stops nothing).
 Failures and stopping are handled as ``run`` handles its processes. User's guide: docs/ray.md; design:
 docs/architecture.md#ray.
+
+Why one file: which actor is made when, and which the end waits for, are one rule over the same room.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def launch_on_ray(command: str, module: Any, settings: Any, paths: RunPaths, pip
         from rlhf_pipeline.cluster.actors import ActorJob
 
         evaluate = command == "run" and settings.eval.enabled
-        room = _check_room(ray, resources, collectors, world_size, evaluate, cluster_grows=not started)
+        room = _check_room(ray, resources, collectors, world_size, evaluate, cluster_grows=not _started_here(ray))
         control = _start_control(ray, paths)
         job = ActorJob(pipeline_path=os.path.abspath(pipeline_path), overrides=tuple(overrides),
                        run_root=paths.location, control_name=control_actor_name(paths))
@@ -116,6 +118,17 @@ def _connect(address: str) -> tuple[Any, bool]:
               "started for this run", file=sys.stderr, flush=True)
         ray.init(namespace=NAMESPACE, include_dashboard=False)
     return ray, True
+
+
+def _started_here(ray: Any) -> bool:
+    """Whether this process started the cluster (``ray.init()`` found none to join): a local one that no
+    node joins. Ray says so only on its private node object; where that moved, the cluster is taken as
+    one that may grow."""
+    try:
+        node = ray._private.worker._global_node
+        return node is not None and bool(node.is_head())
+    except AttributeError:
+        return False
 
 
 def why_unreachable(address: str, timeout_s: float = PROBE_S) -> str | None:
@@ -224,15 +237,17 @@ class _RayRun:
             .remote(job, rank, world_size)
             for rank in range(world_size)
         ]
-        # rank 0 placed before any collector is made: on a cluster without room for all, collectors wait, not
-        # the learner (which would leave the run waiting for ever)
-        master = ray.get(self.learners[0].rendezvous.remote())
+        # on a cluster without room for every collector beside the learner, rank 0 is placed before any collector
+        # is made: a collector waits then, not the learner (the run would wait for ever). With room for all,
+        # they start side by side (placing the learner first cost a run's start 5 s on 2 cores)
+        master = None if self.room_for_training else ray.get(self.learners[0].rendezvous.remote())
         self.collectors = {
             k: CollectorActor.options(num_cpus=resources.collector_num_cpus, num_gpus=resources.collector_num_gpus,
                                       scheduling_strategy="SPREAD", max_restarts=restarts,
                                       max_task_retries=retries).remote(job, k, collectors > 1)
             for k in range(collectors)
         }
+        master = master or ray.get(self.learners[0].rendezvous.remote())
         self.collector_names = {k: f"collector {k}" if collectors > 1 else "collector" for k in self.collectors}
         self.learner_names = ["learner" if world_size == 1 else f"learner rank {r}" for r in range(world_size)]
         # beside the collectors, with a collector's resources; restarted as they are, it resumes from its

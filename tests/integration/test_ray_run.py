@@ -306,23 +306,34 @@ def test_the_evaluator_runs_as_an_actor_beside_the_collectors_and_resumes_after_
         assert sorted(t for v, t in samples if v == version) == list(range(first, first + 160))
 
 
-def test_an_evaluator_the_cluster_has_no_room_for_waits_without_holding_up_training_or_the_end(ray_cluster, tmp_path):
+@pytest.mark.parametrize("collectors", [2, 3])
+def test_actors_a_joined_cluster_has_no_room_for_wait_without_holding_up_training_or_the_end(ray_cluster, tmp_path,
+                                                                                            collectors):
     """The learner (1 CPU) and 2 collectors (0.5 each) fill the module's 2-CPU cluster. The evaluator was
     made with them: it waited without a word for room that never came, and the driver then waited 600 s
-    for it after the last step (or it took a collector's place, which then waited instead). Now the
-    driver says what does not fit, makes the evaluator once training runs, and ends with the learner."""
+    for it after the last step (or it took a collector's place, which then waited instead). With 3
+    collectors, made before the learner, they could take its place: the driver waited for ever. Now the
+    driver says what does not fit, places the learner first where the collectors do not all fit, makes
+    the evaluator once training runs, and ends with the learner, waiting for no actor that never started."""
     driver = preloaded.run([sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--ray", ray_cluster,
-                            "--home", str(tmp_path), "--run-name", "run", "--steps", "2", "--collectors", "2",
+                            "--home", str(tmp_path), "--run-name", "run", "--steps", "2",
+                            "--collectors", str(collectors),
                             *[a for s in [*SMALL, "eval.every_steps=2"] for a in ("--set", s)]],
                            cwd=REPO, capture_output=True, text=True, timeout=400)  # a bound for a hung run only
     out = driver.stdout + driver.stderr
     assert driver.returncode == 0, out[-3000:]
-    assert ("[run] the run's actors ask Ray for 2.5 CPUs (the learner 1, 2 collectors 0.5 each, the evaluator 0.5) "
-            "and the cluster has 2: ") in out, out[-3000:]
+    assert (f"[run] the run's actors ask Ray for {1 + 0.5 * (collectors + 1):g} CPUs (the learner 1, {collectors} "
+            f"collectors 0.5 each, the evaluator 0.5) and the cluster has 2: those that do not fit wait until a node "
+            f"with room joins (the evaluator first)") in out, out[-3000:]
     assert "[run] the evaluator never started: the Ray cluster had no room for it" in out, out[-3000:]
     assert "[run] done: 2 learner steps" in out and "[eval]" not in out, out[-3000:]
-    # both collectors had their place: neither was waited for until killed, nor said never to have started
-    assert "did not stop within" not in out and "collector 1 never started" not in out, out[-3000:]
+    assert "did not stop within" not in out, out[-3000:]  # no actor waited for until killed
+    never = [line for line in out.splitlines() if line.startswith("[run] collector")]
+    if collectors == 2:  # both had their place
+        assert never == [], out[-3000:]
+    else:  # one of the three waited for room, and was said to
+        assert len(never) == 1 and never[0].endswith(" never started: the Ray cluster had no room (see above)"), \
+            out[-3000:]
 
 
 def test_a_learner_the_local_cluster_a_run_starts_has_no_room_for_is_refused_in_one_line(tmp_path):
