@@ -90,10 +90,11 @@ def _evaluate(args: argparse.Namespace) -> int:
     sets, settings = eval_sets_of(pipeline), pipeline.settings.eval
     if args.step is not None:
         version, rest = divmod(args.step, publish_every)
-        if not rest and version not in available and _evaluated_in_every_set(paths, sets, settings, version):
-            # evaluated beside training, its policy dropped since: what is stored is the answer
-            _print_stored(paths, sets, settings, [version], publish_every, stopped=False)
-            return 0
+        if not rest and version not in available:  # evaluated beside training, its policy dropped since?
+            stored = _stored_progresses(paths, sets, settings)
+            if all(progress is not None and version in progress.done for progress in stored.values()):
+                _print_stored(stored, [version], publish_every, stopped=False)  # what is stored is the answer
+                return 0
         if rest or version not in available:
             kept = ", ".join(str(v * publish_every) for v in available) or "none"
             raise PipelineError(f"--step {args.step}: no policy of that step is kept in {paths.location}, nor a result "
@@ -103,7 +104,7 @@ def _evaluate(args: argparse.Namespace) -> int:
     else:
         chosen = list(available)
     code = eval_main(pipeline, paths, versions=[(v, available[v]) for v in chosen], engine_device=engine_device)
-    _print_stored(paths, sets, settings, chosen, publish_every, stopped=code != 0)
+    _print_stored(_stored_progresses(paths, sets, settings), chosen, publish_every, stopped=code != 0)
     return code
 
 
@@ -114,37 +115,34 @@ def _run_device(paths) -> str:
     return str((saved_settings(paths.store) or {}).get("device") or "cpu")
 
 
-def _stored_progress(paths, name: str):
-    """The ``EvalProgress`` of evaluation ``name`` (a set under these eval settings), None before its first."""
-    from rlhf_pipeline.evaluation.evaluator import EvalProgress, set_store_location
+def _stored_progresses(paths, sets, settings) -> dict:
+    """Each evaluation's name (a set under these eval settings) -> its ``EvalProgress``, None before its first."""
+    from rlhf_pipeline.evaluation.evaluator import EvalProgress, evaluation_name, set_store_location
     from rlhf_pipeline.storage import open_store
     from rlhf_pipeline.storage.errors import StoreNotFoundError
 
-    try:
-        store = open_store(set_store_location(paths.location, name))
-    except StoreNotFoundError:
-        return None
-    try:
-        return EvalProgress.of(store)
-    finally:
-        store.close()
-
-
-def _evaluated_in_every_set(paths, sets, settings, version: int) -> bool:
-    from rlhf_pipeline.evaluation.evaluator import evaluation_name
-
-    progresses = [_stored_progress(paths, evaluation_name(eval_set, settings)) for eval_set in sets]
-    return all(progress is not None and version in progress.done for progress in progresses)
-
-
-def _print_stored(paths, sets, settings, versions, publish_every: int, *, stopped: bool) -> None:
-    """The stored summary of each (version, set) asked for, evaluated now or before; ``stopped``: this
-    evaluation was stopped (a signal) before it had done them all."""
-    from rlhf_pipeline.evaluation.evaluator import EvalProgress, evaluation_name
-
+    progresses = {}
     for eval_set in sets:
         name = evaluation_name(eval_set, settings)
-        progress = _stored_progress(paths, name) or EvalProgress()
+        try:
+            store = open_store(set_store_location(paths.location, name))
+        except StoreNotFoundError:
+            progresses[name] = None
+            continue
+        try:
+            progresses[name] = EvalProgress.of(store)
+        finally:
+            store.close()
+    return progresses
+
+
+def _print_stored(progresses: dict, versions, publish_every: int, *, stopped: bool) -> None:
+    """The stored summary of each (version, evaluation) asked for, evaluated now or before; ``stopped``: this
+    evaluation was stopped (a signal) before it had done them all."""
+    from rlhf_pipeline.evaluation.evaluator import EvalProgress
+
+    for name, progress in progresses.items():
+        progress = progress or EvalProgress()
         for version in versions:
             summary = progress.done.get(version)
             where = f"{name} step {version * publish_every} (policy version {version})"

@@ -195,6 +195,16 @@ class _StopWatcher:
                 return
 
 
+def collector_actor_name(index: int, one_of_several: bool) -> str:
+    """Collector ``index``'s name: its output's prefix and its entry in ``RunControl.processes``."""
+    return f"collector {index}" if one_of_several else "collector"
+
+
+def learner_actor_name(rank: int, world_size: int) -> str:
+    """Learner rank ``rank``'s name: its output's prefix and its entry in ``RunControl.processes``."""
+    return "learner" if world_size == 1 else f"learner rank {rank}"
+
+
 def _register(control: Any, name: str) -> None:
     ray.get(control.register.remote(name, os.getpid()))
 
@@ -207,7 +217,7 @@ class CollectorActor:
         self.job = job
         self.collector_index = collector_index
         self.one_of_several = one_of_several
-        self.name = f"collector {collector_index}" if one_of_several else "collector"
+        self.name = collector_actor_name(collector_index, one_of_several)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's forwarded output with it
         return self.name
@@ -254,7 +264,7 @@ class LearnerActor:
         self.job = job
         self.rank = rank
         self.world_size = world_size
-        self.name = "learner" if world_size == 1 else f"learner rank {rank}"
+        self.name = learner_actor_name(rank, world_size)
 
     def __repr__(self) -> str:
         return self.name

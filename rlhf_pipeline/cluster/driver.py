@@ -173,10 +173,10 @@ def _check_room(ray: Any, resources: RaySettings, collectors: int, world_size: i
                                                ("GPU", resources.learner_num_gpus, resources.collector_num_gpus)):
         training = world_size * learner_asks + collectors * collector_asks
         asks, has = training + evaluate * collector_asks, total.get(kind, 0.0)
+        training_fits = training <= has + 1e-9
         if asks <= has + 1e-9:
             continue
-        room_for_all = False
-        room_for_training = room_for_training and training <= has + 1e-9
+        room_for_all, room_for_training = False, room_for_training and training_fits
         parts = [f"{'the learner' if world_size == 1 else f'{world_size} learner ranks'} {learner_asks:g}"
                  + (" each" if world_size > 1 else "")]
         if collectors:
@@ -190,7 +190,7 @@ def _check_room(ray: Any, resources: RaySettings, collectors: int, world_size: i
                   f"collectors, or " + ("add a node" if cluster_grows else
                                         f"start a cluster with more (`ray start --head --num-{unit} N`, which --ray "
                                         f"then joins)"))
-        if not cluster_grows and training > has + 1e-9:
+        if not cluster_grows and not training_fits:
             raise RunError(f"{asked}, and the local Ray cluster this run started has {has:g}: {remedy}")
         waits = ("the evaluator does not start" if not cluster_grows
                  else "those that do not fit wait until a node with room joins (the evaluator first)")
@@ -218,7 +218,8 @@ class _RayRun:
 
     def __init__(self, ray: Any, job: Any, paths: RunPaths, resources: RaySettings, collectors: int,
                  world_size: int, *, evaluate: bool = False, room: tuple[bool, bool] = (True, True)) -> None:
-        from rlhf_pipeline.cluster.actors import CollectorActor, EvaluatorActor, LearnerActor
+        from rlhf_pipeline.cluster.actors import (CollectorActor, EvaluatorActor, LearnerActor, collector_actor_name,
+                                                  learner_actor_name)
 
         self.ray, self.job, self.paths = ray, job, paths
         self.control = job.control
@@ -248,8 +249,8 @@ class _RayRun:
             for k in range(collectors)
         }
         master = master or ray.get(self.learners[0].rendezvous.remote())
-        self.collector_names = {k: f"collector {k}" if collectors > 1 else "collector" for k in self.collectors}
-        self.learner_names = ["learner" if world_size == 1 else f"learner rank {r}" for r in range(world_size)]
+        self.collector_names = {k: collector_actor_name(k, collectors > 1) for k in self.collectors}
+        self.learner_names = [learner_actor_name(r, world_size) for r in range(world_size)]
         # beside the collectors, with a collector's resources; restarted as they are, it resumes from its
         # stores' writer state. Made once every training actor runs (_start_the_evaluator): on a cluster
         # without room for all, the evaluator is the one that waits, never a collector or the learner
