@@ -477,8 +477,10 @@ def eval_main(pipeline: Pipeline, paths: RunPaths,
     sets = eval_sets_of(pipeline, TURN_EVAL_OFF if versions is None else "")
     publish_every = pipeline.learner.publish_every
     log_at, store = paths.state_object(eval_metrics_path(paths.root))  # a run at a URL: its object store
+    # each summary uploaded as it is logged: once its version is released (follow_run), keep_best's pruning
+    # (the learner's, and this process's at its end) takes a checkpoint it finds no score for as not the best
     metrics = MetricsWriter(log_at, tensorboard_dir=paths.tensorboard / "eval", store=store,
-                            tensorboard_key=paths.key(paths.tensorboard / "eval"))
+                            tensorboard_key=paths.key(paths.tensorboard / "eval"), upload_every_s=0.0)
 
     def log(step: int, summary: dict[str, float]) -> None:
         metrics.log(step, summary)
