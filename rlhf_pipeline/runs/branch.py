@@ -21,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from rlhf_pipeline.coordination.eval_pins import PINNED_FROM
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
 from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
@@ -280,6 +281,8 @@ def _copy_branch(source: Any, new: RunPaths, step: int, version: int | None) -> 
         where, store = new.state_object(new.root / log)
         truncate_metrics(where, step, store=store)  # a new file or object: a linked one stays the parent's
     _copy_weights(source, target, checkpoint, version)
+    if version is not None:  # the versions below are the parent's, scored in its eval store: not evaluated again
+        target.write(PINNED_FROM, json.dumps({"from": version}).encode())
 
 
 def _copy_weights(source: Any, target: Any, checkpoint: str, version: int | None) -> None:

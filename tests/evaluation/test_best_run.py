@@ -35,8 +35,8 @@ SETTINGS = ["--set", "warm_start_steps=5", "--set", "prompts_per_round=4", "--se
 STEPS = 8
 
 
-def command(home: Path, name: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(STEPS),
+def command(home: Path, name: str, *extra: str, steps: int = STEPS) -> list[str]:
+    return [sys.executable, "-m", "rlhf_pipeline.cli.main", "run", DEFAULT, "--steps", str(steps),
             "--home", str(home), "--run-name", name, *SETTINGS, *extra]
 
 
@@ -99,6 +99,15 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     refused = command_here(capsys, "export-model", str(home / "from-best"), str(tmp_path / "none"), "--best")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "has no best checkpoint yet" in refused.stderr
+    # continued online, it evaluates from its branch point on: the versions below are the parent's, scored in
+    # the parent's eval store (version 0 too, which eval.before_training scored there)
+    continued = preloaded.run(command(home, "from-best", steps=step + 2), cwd=REPO, capture_output=True, text=True,
+                              timeout=600)
+    assert continued.returncode == 0, continued.stderr[-3000:] + continued.stdout[-3000:]
+    branch_scores = eval_scores(RunPaths(home / "from-best").store, METRIC)
+    assert sorted(branch_scores) == [step, step + 2]
+    assert branch_scores[step] == value  # the parent's policy at the branch point, sampled with the same seeds
+    assert run_best(RunPaths(home / "from-best")).step in (step, step + 2)
 
 
 def test_a_kill_9_mid_step_resumes_to_the_best_of_an_unbroken_run(unbroken, tmp_path):
