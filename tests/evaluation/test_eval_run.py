@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -74,12 +75,35 @@ def samples_of(rows) -> Counter:
     return Counter(zip(rows["policy_version"].tolist(), rows["trajectory_id"].tolist()))
 
 
+def watching_releases(run: str, *args: str) -> tuple[subprocess.CompletedProcess, list[tuple[int, set[int]]]]:
+    """``rlhf-pipeline ARGS`` (its output, stderr in stdout) and what a reader polling as keep_best's pruning
+    reads saw while it ran: the versions below which the run's evaluator has released every version it wants
+    (read first), and the versions whose scores were stored (read second)."""
+    pins = EvalPins(run_store_at(run), every_steps=2, publish_every=1, before_training=True)
+    seen = []
+    with tempfile.TemporaryFile("w+") as output:
+        process = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", *args], cwd=REPO, stdout=output,
+                                  stderr=subprocess.STDOUT, text=True)
+        while process.poll() is None:
+            released = pins.pinned_from()
+            seen.append((released, {int(line["eval/policy_version"]) for line in logged(run, EVAL_METRICS)}))
+            time.sleep(0.05)
+        output.seek(0)
+        return subprocess.CompletedProcess(args, process.returncode, output.read(), ""), seen
+
+
 @AT_A_URL_ON_S3
 def test_a_run_evaluates_its_versions_every_n_steps_beside_training(run_home, capsys):
-    result = cli("run", DEFAULT, "--steps", "6", "--home", run_home, "--run-name", "r", *SMALL, *zarr_at_a_url(run_home),
-                 "--set", "eval.every_steps=2")
-    assert result.returncode == 0, result.stderr[-3000:] + result.stdout[-3000:]
     run = f"{run_home}/r"
+    result, seen = watching_releases(run, "run", DEFAULT, "--steps", "6", "--home", run_home, "--run-name", "r", *SMALL,
+                                     *zarr_at_a_url(run_home), "--set", "eval.every_steps=2")
+    assert result.returncode == 0, result.stdout[-3000:]
+    # a released version's score is stored already: keep_best's pruning takes a released version it finds no
+    # score for as no candidate for the best, and prunes its checkpoint (at a URL the scores were uploaded every
+    # few seconds, and a branch's best was lost so)
+    assert any(released > 0 for released, _ in seen), seen
+    for released, scored in seen:
+        assert {v for v in (0, 2, 4, 6) if v < released} <= scored, (released, scored)
     rows, progress = stored(run, "held_out")
     assert sorted(progress.done) == [0, 2, 4, 6] and progress.failed == {}
     counts = samples_of(rows)
@@ -197,35 +221,6 @@ def test_kill_9_of_the_evaluator_mid_set_never_stops_training_and_eval_resumes_e
     for version in kept:  # none missing: every prompt's 4 samples
         first = version * ID_STRIDE * 4
         assert sorted(t for v, t in counts if v == version) == list(range(first, first + 4 * HELD_OUT))
-
-
-@pytest.mark.parametrize("run_home", ["s3"], indirect=True)
-def test_at_a_url_a_version_the_evaluator_has_released_has_its_score_stored_already(run_home):
-    # keep_best's pruning reads which versions the evaluator released, then their scores: a released version
-    # it finds no score for is no candidate for the best, and its checkpoint goes. At a URL the summaries were
-    # uploaded every few seconds, so a branch's best (its branch point, scored first) was pruned so. A reader
-    # polls as the learner's pruning reads, while `eval --follow` evaluates a run trained without eval
-    trained = cli("run", DEFAULT, "--steps", "6", "--home", run_home, "--run-name", "r", *SMALL,
-                  *zarr_at_a_url(run_home))
-    assert trained.returncode == 0, trained.stderr[-3000:] + trained.stdout[-3000:]
-    run = f"{run_home}/r"
-    store = run_store_at(run)
-    pins = EvalPins(store, every_steps=2, publish_every=1, before_training=True)
-    follow = preloaded.Popen([sys.executable, "-m", "rlhf_pipeline.cli.main", "eval", run, "--follow",
-                              "--set", "eval.every_steps=2"], cwd=REPO, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    seen = []
-    while follow.poll() is None:
-        released = pins.pinned_from()  # first, as KeepBest.look reads them
-        seen.append((released, {int(line["eval/policy_version"]) for line in logged(run, EVAL_METRICS)}))
-        time.sleep(0.05)
-    output = follow.communicate()[0]
-    assert follow.returncode == 0, output[-3000:]
-    evaluated = {int(line["eval/policy_version"]) for line in logged(run, EVAL_METRICS)}
-    assert len(evaluated) >= 2 and pins.pinned_from() > max(evaluated), (evaluated, output[-3000:])
-    assert any(0 < released <= max(evaluated) for released, _ in seen), seen  # a release seen mid-way
-    for released, scored in seen:
-        assert {v for v in evaluated if v < released} <= scored, (released, scored)
 
 
 def test_eval_of_a_default_run_with_too_few_sums_to_hold_out_is_refused_naming_max_operand(tmp_path, capsys):
