@@ -19,7 +19,7 @@ from typing import Any
 
 from rlhf_pipeline.coordination.weights import latest_version
 from rlhf_pipeline.files.run_store import RunStore, state_store_and_key
-from rlhf_pipeline.files.shard_names import shard_key_of
+from rlhf_pipeline.files.shard_names import is_import_shard, shard_key_of
 
 FORMAT_VERSION = 2  # 2: ``next_version``, and in each ``recent`` draw
 
@@ -252,8 +252,18 @@ class CollectorPacer:
             return max(self.max_lag, 1) * self.round_rows if self.learner_expected else math.inf
         if intake.last_step:  # rows past what it has taken in would never be trained on
             return intake.consumed.get(self.key, 0)
-        share = math.ceil(intake.next_draw_rows / len(set(intake.consumed) | {self.key}))
-        return intake.consumed.get(self.key, 0) + max(self.max_lag, 1) * share
+        return intake.consumed.get(self.key, 0) + max(self.max_lag, 1) * self._share(intake)
+
+    def _share(self, intake: LearnerIntake) -> int:
+        """This collector's share of the learner's next draw. A draw takes an even share from each shard
+        with rows past its cursor (``learn/samplers/exact.py``): every collector's, which may have some
+        however slow it is, and an import's (``files/shard_names.is_import_shard``) only while the learner
+        takes rows from it. Counted after its last rows, an import's shard would halve a lone collector's
+        share for the rest of the run: a round ahead too few, every step waiting (max_lag=1 trained as 0)."""
+        previous = intake.recent[-2][3] if len(intake.recent) >= 2 else {}
+        supplying = {key for key, rows in intake.consumed.items()
+                     if not is_import_shard(key) or rows > previous.get(key, 0)}
+        return math.ceil(intake.next_draw_rows / len(supplying | {self.key}))
 
     def version_for(self, intake: LearnerIntake, shard_rows: int) -> int:
         """The weights a round starting at ``shard_rows``, allowed by ``intake``, samples with: the
@@ -263,7 +273,7 @@ class CollectorPacer:
         the learner cannot publish without this round. So with 1 a round that crosses into the batch
         after next waits for the step in progress, and with 0 a round's tail in a later batch is a
         version too old (passed over: ``learner.max_staleness``)."""
-        share = math.ceil(intake.next_draw_rows / len(set(intake.consumed) | {self.key}))
+        share = self._share(intake)
         last_row = shard_rows + max(self.round_rows, 1) - 1
         draws_on = (last_row - intake.consumed.get(self.key, 0)) // share if share else 0
         return max(intake.policy_version, min(intake.next_version, intake.next_version + draws_on - self.max_lag))
@@ -293,7 +303,8 @@ class CollectorPacer:
         if intake is None or intake.lacking is None:
             return False
         _, rows, seen = intake.lacking
-        shards = len(set(seen) | {self.key})
+        # an import's shard has no row left to give (the learner would have taken it): collectors' rows only
+        shards = len({key for key in seen if not is_import_shard(key)} | {self.key})
         return shard_rows < seen.get(self.key, 0) + math.ceil(rows / shards)
 
     def _stalled(self, intake: LearnerIntake | None) -> bool:
@@ -359,10 +370,11 @@ class CollectorPacer:
         round; None when there is none."""
         if intake is None:
             return None
-        for version, next_version, need, consumed in intake.recent:
+        for index, (version, next_version, need, consumed) in enumerate(intake.recent):
             # draws before the newest were not the run's last step (and the last allows no new round)
             earlier = dataclasses.replace(intake, consumed=consumed, next_draw_rows=need, last_step=False,
-                                          policy_version=version, next_version=next_version)
+                                          policy_version=version, next_version=next_version,
+                                          recent=intake.recent[:index + 1])
             if shard_rows < self.target_rows(earlier):
                 return self.version_for(earlier, shard_rows)
         return None

@@ -1,4 +1,4 @@
-"""Where an import writes (a shard of its own, from :data:`IMPORT_SHARD_FIRST`), and the record that
+"""Where an import writes (a shard of its own, from ``files.shard_names.IMPORT_SHARD_FIRST``), and the record that
 lets a killed import resume without duplicates.
 
 The record, ``<store>/imports/import-<key>.pt`` (``<run>/imports/`` for a run), holds the source's
@@ -20,14 +20,11 @@ import torch
 from rlhf_pipeline.dataio.sources import Source, SourceError
 from rlhf_pipeline.files.run_paths import RunLocationError, check_run_url, is_url
 from rlhf_pipeline.files.run_store import RunStore
-from rlhf_pipeline.files.shard_names import shard_index, shard_key_of
+from rlhf_pipeline.files.shard_names import IMPORT_SHARD_FIRST, shard_index, shard_key_of
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.storage.buffers import list_shards
 
 RECORD_FORMAT = 1
-# a run's collectors take shards 0, 1, ...; imports take shards from here, so a collector
-# started later never writes (and numbers ids) in an import's shard
-IMPORT_SHARD_FIRST = 9000
 
 
 # ====================================================================== where rows go

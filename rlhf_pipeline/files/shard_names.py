@@ -16,6 +16,9 @@ from pathlib import Path
 from rlhf_pipeline.files.cloud_objects import cloud_for
 
 SHARD_PREFIX = "shard-"
+IMPORT_SHARD_FIRST = 9000
+"""A run's collectors take shards 0, 1, ...; ``rlhf-pipeline import`` into a run takes shards from here, so a
+collector started later never writes (and numbers ids) in an import's shard."""
 _SHARD_NAME = re.compile(r"^(?:([0-9a-f]{2})-)?shard-(\d+)$")
 
 
@@ -59,6 +62,12 @@ def shard_index(name: str) -> int | None:
     if match.group(1) is not None and match.group(1) != _spread_digits(index):
         return None
     return index
+
+
+def is_import_shard(key: str) -> bool:
+    """Whether ``key`` (a shard's name) names a shard that ``import`` wrote rather than a collector."""
+    index = shard_index(key)
+    return index is not None and index >= IMPORT_SHARD_FIRST
 
 
 def local_shard_names(directory: str | Path) -> list[str]:

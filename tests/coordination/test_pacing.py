@@ -181,6 +181,29 @@ def test_a_waiting_learner_gets_the_rows_its_sampler_lacks_at_once_with_its_draw
     assert read_intake(path).lacking is None  # the draw came: the intake says what the next one needs
 
 
+def test_an_imported_shard_shares_the_next_batch_only_while_the_learner_takes_rows_from_it(tmp_path):
+    """``import`` into a run adds a shard no collector writes (``shard-9000``): while the learner's draws take
+    rows from it, a collector's share is half the batch; once it gave its last rows, the whole batch again.
+    Counted still, it left a lone collector a round short of max_lag=1 at every step, the learner waiting
+    for the rest each time: the run trained as with max_lag=0 for good."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, stall_s=1e9)
+    learner.publish(LearnerIntake(1, 1, {"shard-0000": 8, "shard-9000": 8}, next_draw_rows=16))
+    learner.publish(LearnerIntake(2, 2, {"shard-0000": 16, "shard-9000": 16}, next_draw_rows=16))
+    assert pacer.target_rows(read_intake(path)) == 16 + 8  # the import gives half of the next batch
+    learner.publish(LearnerIntake(3, 3, {"shard-0000": 32, "shard-9000": 16}, next_draw_rows=16))
+    assert pacer.target_rows(read_intake(path)) == 32 + 16  # its rows used up: the collector's whole batch
+    assert pacer.plan_round(40).allowed and not pacer.plan_round(48).allowed
+    # a collector's shard counts though it gave nothing to the last draw: it may only be slow
+    learner.publish(LearnerIntake(4, 4, {"shard-0000": 48, "shard-0001": 0, "shard-9000": 16}, next_draw_rows=16))
+    assert pacer.target_rows(read_intake(path)) == 48 + 8
+    # what a waiting learner lacks, only collectors give: here the lone collector, all of it
+    learner.publish(LearnerIntake(5, 5, {"shard-0000": 64, "shard-9000": 16}, next_draw_rows=16))
+    learner.waiting((5, 16, {"shard-0000": 80, "shard-9000": 16}))
+    assert pacer.may_collect(95) and not pacer.may_collect(96)
+
+
 def test_a_round_uses_the_version_of_the_intake_that_first_allowed_it(tmp_path):
     """Not the newest: a collector that reads pacing.json late (it was generating) still names
     the weights the learner held when the round first became allowed, so timing cannot change it."""

@@ -20,10 +20,9 @@ from integration.test_default_pipeline import DEFAULT
 
 from rlhf_pipeline.cli.main import main
 from rlhf_pipeline.coordination.weights import load_weights, publish_weights
-from rlhf_pipeline.dataio.import_state import IMPORT_SHARD_FIRST
 from rlhf_pipeline.dataio.run_pipeline import load_run_pipeline
 from rlhf_pipeline.files.object_run_store import ObjectRunStore
-from rlhf_pipeline.files.shard_names import spread_shard_name
+from rlhf_pipeline.files.shard_names import IMPORT_SHARD_FIRST, spread_shard_name
 from rlhf_pipeline.pipeline import RunPaths, load_pipeline_module, make_settings
 from rlhf_pipeline.runs.processes import build_pipeline, collect_main
 from rlhf_pipeline.runs.run_directory import hold_run_directory, prepare_run
