@@ -183,4 +183,37 @@ def _import_into(args: argparse.Namespace, run, options) -> int:
         raise KeyboardInterrupt from None
     if not result.already_done:
         print(f"{result.buffer}: {result.rows_written} rows imported from {args.source}")
+        if run is not None and result.rows_written and (note := _passed_over_note(pipeline, run, result.buffer)):
+            print(note, file=sys.stderr)
     return 0
+
+
+def _passed_over_note(pipeline, run, shard: str) -> str | None:
+    """What the run's learner will make of the rows just imported into ``shard``: it passes over, untrained,
+    a row more than ``learner.max_staleness`` versions older than the weights it trains with. None for a
+    learner without that bound."""
+    from rlhf_pipeline.coordination.weights import latest_version
+    from rlhf_pipeline.storage import open_store
+
+    bound = pipeline.learner.max_staleness
+    if bound is None:
+        return None
+    store = open_store(shard)
+    try:
+        versions = store.read(list(range(len(store))), fields=("policy_version",))["policy_version"]
+    finally:
+        store.close()
+    oldest, youngest, newest = int(versions.min()), int(versions.max()), latest_version(run.store) or 0
+    these = f"policy version {oldest}" if oldest == youngest else f"policy versions {oldest}-{youngest}"
+    rule = (f"trains no row more than {bound} version{'s' * (bound != 1)} older than the weights it trains with "
+            f"(learner.max_staleness, from max_lag={pipeline.settings.max_lag})")
+    replay = "; `rlhf-pipeline replay` trains every row of a buffer"
+    if newest - youngest > bound:
+        return (f"[import] note: the run's learner, at version {newest}, {rule}: it will pass over all of these rows "
+                f"({these}), untrained (charts/rows_dropped_stale). Imported without their log-prob and version "
+                f"columns (--ignore-column), they are scored with version {newest}{replay}")
+    share = (" and takes an even share of each batch from this shard beside its collectors'"
+             if pipeline.learner.sampler == "exact" else "")
+    return (f"[import] note: the run's learner {rule}{share}: the rows of this import ({these}) it has not taken "
+            f"by the time it trains with version {youngest + bound + 1} are passed over, untrained "
+            f"(charts/rows_dropped_stale){replay}")

@@ -90,7 +90,11 @@ def test_an_import_into_a_run_gets_a_shard_of_its_own_scored_by_its_newest_polic
     capsys.readouterr()
     assert main(["import", str(source), run.location, "--quiet"]) == 0
     shard = find_shard(run.buffer_location, IMPORT_SHARD_FIRST)
-    assert f"{shard}: 12 rows imported" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert f"{shard}: 12 rows imported" in out
+    # what the run's learner will do with them: max_lag=1 lets it train rows 1 version old at most
+    assert ("the rows of this import (policy version 2) it has not taken by the time it trains with version 4 are "
+            "passed over, untrained (charts/rows_dropped_stale)") in err, err
     rows = rows_of(shard)
     assert len(rows) == 12 and rows["policy_version"].eq(2).all()
     assert collector_index_of(rows["group_id"]).eq(IMPORT_SHARD_FIRST).all()
@@ -118,6 +122,12 @@ def test_an_import_into_a_run_gets_a_shard_of_its_own_scored_by_its_newest_polic
     # collector 0 has run (its position history exists): its shard is refused, ids would collide
     assert main(["import", str(source), find_shard(run.buffer_location, 0), "--quiet"]) == 2
     assert "is written by collector 0" in capsys.readouterr().err
+    # rows sampled long ago (their log-probs given, version 0): the learner, at version 2, passes them all over
+    sampled = write_jsonl(tmp_path / "sampled.jsonl", 2, log_probs=True)
+    assert main(["import", str(sampled), run.location, "--quiet", "--policy-version", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "the run's learner, at version 2, trains no row more than 1 version older" in err, err
+    assert "it will pass over all of these rows (policy version 0)" in err
 
 
 def test_an_import_with_an_unsupported_url_scheme_is_refused(env, tmp_path, monkeypatch, capsys):
