@@ -1,6 +1,6 @@
 """Default pipeline: GRPO on a toy addition task with a tiny model, on CPU, in minutes.
 
-    rlhf-pipeline run pipelines/default.py                  # 15-25 s on 2 idle CPU cores
+    rlhf-pipeline run pipelines/default.py                  # 15-45 s on 2 idle CPU cores
     rlhf-pipeline run pipelines/default.py --steps 20 --set group_size=4
     rlhf-pipeline run pipelines/default.py --set generation.engine=vllm --set num_heads=2   # vLLM generates
     rlhf-pipeline run pipelines/default.py --set generation.url=http://127.0.0.1:8000 --set num_heads=2
