@@ -256,13 +256,18 @@ class CollectorPacer:
 
     def _share(self, intake: LearnerIntake) -> int:
         """This collector's share of the learner's next draw. A draw takes an even share from each shard
-        with rows past its cursor (``learn/samplers/exact.py``): every collector's, which may have some
-        however slow it is, and an import's (``files/shard_names.is_import_shard``) only while the learner
-        takes rows from it. Counted after its last rows, an import's shard would halve a lone collector's
-        share for the rest of the run: a round ahead too few, every step waiting (max_lag=1 trained as 0)."""
-        previous = intake.recent[-2][3] if len(intake.recent) >= 2 else {}
+        with rows past its cursor (``learn/samplers/exact.py``), so a shard counts while it may give some:
+        an import's (``files/shard_names.is_import_shard``) while the learner's last draw took rows from it,
+        another collector's (slow, or not started yet) until it gave none through the ``RECENT_DRAWS`` draws
+        on record (its collector has stopped: a run resumed with fewer collectors). Counted for good, such
+        a shard left a lone collector a round short at every step, the learner waiting for the rest each
+        time: max_lag=1 trained as 0."""
+        taken = [consumed for *_, consumed in intake.recent]  # oldest first, this draw's last
+        last = taken[-2] if len(taken) >= 2 else {}
+        window = taken[0] if len(taken) >= RECENT_DRAWS else None
         supplying = {key for key, rows in intake.consumed.items()
-                     if not is_import_shard(key) or rows > previous.get(key, 0)}
+                     if (rows > last.get(key, 0) if is_import_shard(key)
+                         else window is None or rows > window.get(key, 0))}
         return math.ceil(intake.next_draw_rows / len(supplying | {self.key}))
 
     def version_for(self, intake: LearnerIntake, shard_rows: int) -> int:

@@ -14,6 +14,7 @@ from rlhf_pipeline.learn.metrics import read_metrics
 from rlhf_pipeline.learn.settings import LearnerSettings
 from rlhf_pipeline.models import char_tokenizer, tiny_causal_lm
 from rlhf_pipeline.coordination.pacing import (
+    RECENT_DRAWS,
     WAITING_RENEW_S,
     CollectorPacer,
     LearnerIntake,
@@ -202,6 +203,25 @@ def test_an_imported_shard_shares_the_next_batch_only_while_the_learner_takes_ro
     learner.publish(LearnerIntake(5, 5, {"shard-0000": 64, "shard-9000": 16}, next_draw_rows=16))
     learner.waiting((5, 16, {"shard-0000": 80, "shard-9000": 16}))
     assert pacer.may_collect(95) and not pacer.may_collect(96)
+
+
+def test_a_collector_gone_for_all_the_draws_on_record_no_longer_shares_the_next_batch(tmp_path):
+    """A run of two collectors resumed with one: collector 1's shard gives no more rows. It counted for good,
+    and collector 0 wrote half a batch ahead for the rest of the run (staleness 0 from then on, measured).
+    It counts until no draw on record (RECENT_DRAWS) took rows from it: a slow collector is not dropped for a
+    draw or two."""
+    path = tmp_path / "pacing.json"
+    learner = PacingPublisher(path)
+    pacer = CollectorPacer(path, "shard-0000", max_lag=1, round_rows=ROUND, stall_s=1e9)
+    learner.publish(LearnerIntake(1, 1, {"shard-0000": 8, "shard-0001": 8}, next_draw_rows=16))
+    for draw in range(2, RECENT_DRAWS + 2):  # collector 1 gone: every draw from collector 0 alone
+        learner.publish(LearnerIntake(draw, draw, {"shard-0000": 16 * draw - 8, "shard-0001": 8}, next_draw_rows=16))
+        # half a batch while a draw on record took its rows (it may only be slow), then the whole batch
+        share = 8 if draw < RECENT_DRAWS else 16
+        assert pacer.target_rows(read_intake(path)) == 16 * draw - 8 + share, draw
+    learner.publish(LearnerIntake(RECENT_DRAWS + 2, RECENT_DRAWS + 2,
+                                  {"shard-0000": 16 * RECENT_DRAWS + 16, "shard-0001": 16}, next_draw_rows=16))
+    assert pacer.target_rows(read_intake(path)) == 16 * RECENT_DRAWS + 16 + 8  # back: it shares again
 
 
 def test_a_round_uses_the_version_of_the_intake_that_first_allowed_it(tmp_path):
