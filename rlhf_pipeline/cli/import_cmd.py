@@ -192,6 +192,8 @@ def _passed_over_note(pipeline, run, shard: str) -> str | None:
     """What the run's learner will make of the rows just imported into ``shard``: it passes over, untrained,
     a row more than ``learner.max_staleness`` versions older than the weights it trains with. None for a
     learner without that bound."""
+    import torch
+
     from rlhf_pipeline.coordination.weights import latest_version
     from rlhf_pipeline.storage import open_store
 
@@ -200,7 +202,7 @@ def _passed_over_note(pipeline, run, shard: str) -> str | None:
         return None
     store = open_store(shard)
     try:
-        versions = store.read(list(range(len(store))), fields=("policy_version",))["policy_version"]
+        versions = store.read(torch.arange(len(store)), fields=("policy_version",))["policy_version"]
     finally:
         store.close()
     oldest, youngest, newest = int(versions.min()), int(versions.max()), latest_version(run.store) or 0
