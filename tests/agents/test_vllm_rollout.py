@@ -13,7 +13,8 @@ far more than the 1e-5 allowed. The random model samples ids the tokenizer would
 times: the rows must not depend on when they answer.
 
 One engine serves the module (its start costs tens of seconds); a test that loads other weights puts
-the first ones back, under a newer version, when it is done. Skipped, saying how to get it, where
+the first ones back, under a newer version, when it is done. A turn is one request to the engine like
+any other: its restart with requests in flight is tests/generation/test_vllm_engine.py's. Skipped, saying how to get it, where
 the vLLM environment is absent (``rlhf-pipeline setup-vllm``).
 """
 
@@ -37,7 +38,6 @@ from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.models import tiny_causal_lm
 from rlhf_pipeline.schema.ragged import RaggedTensor
 
-from helpers import killed_with_next_request, process_running
 
 pytestmark = pytest.mark.slow
 
@@ -281,23 +281,6 @@ def test_per_episode_rows_do_not_depend_on_environment_timing(engine, policy, bp
     assert metrics["prompt_tokens"] == sent_prompt_tokens(rows)  # every turn counted once
     assert metrics["generation_batches"] == len(rows)  # one request per turn
     assert 0.0 < metrics["engine_idle_share"] < 1.0  # the engine waited for environments part of the round
-
-
-def test_an_engine_killed_mid_round_is_restarted_and_the_turns_in_flight_sent_again(engine, bpe_tokenizer, box):
-    sampling = SamplingConfig()
-    said: list[str] = []
-    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
-    try:
-        plain = collector(engine, bpe_tokenizer, box, sampling, delay_seed=4, seed=7).collect()
-        pid = engine.pid
-        with killed_with_next_request(engine) as kill_sent:
-            killed = collector(engine, bpe_tokenizer, box, sampling, delay_seed=5, seed=7).collect()
-        assert kill_sent.is_set()
-        assert engine.pid != pid and not process_running(pid)
-        assert len(said) == 1 and "died" in said[0], said
-        assert_same_rows(plain, killed)
-    finally:
-        engine.retries = kept
 
 
 def test_environments_slower_than_the_reply_timeout_are_not_a_hung_engine(engine, bpe_tokenizer, box):

