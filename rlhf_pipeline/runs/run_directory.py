@@ -213,7 +213,12 @@ def run_lock(paths: RunPaths):
     machine's cache: starts on several machines meet only in create-only writes)."""
     paths.root.mkdir(parents=True, exist_ok=True)
     with open(paths.root / PREPARE_LOCK_FILE, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)  # blocking: the other side is only preparing
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # said: `collect` beside a `learn` that builds the initial policy waits its warm start
+            print(f"[run] another process is preparing {paths.location} (building its initial policy, or creating "
+                  f"its buffer): waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)  # blocking: the other side is only preparing
         try:
             yield
         finally:

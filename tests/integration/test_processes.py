@@ -88,6 +88,27 @@ def test_collector_and_learner_processes_share_a_buffer_and_resume(tmp_path, cap
     assert "group_size: was 4, now 8" in out and "--run-name" in out
 
 
+def test_a_collector_started_while_another_process_prepares_the_run_says_it_waits(tmp_path):
+    """``collect`` beside a ``learn`` that builds the initial policy (tool_use.py's warm start: minutes)
+    waits on the run's preparation lock: it said nothing meanwhile. The lock is held here as that
+    ``learn`` holds it."""
+    import fcntl
+    import select
+
+    (tmp_path / "shared").mkdir()
+    with open(tmp_path / "shared" / ".prepare.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        collector = start("collect", tmp_path, "--steps", "1")
+        try:  # a silent wait fails here, not at the suite's timeout (far beyond a start on a loaded machine)
+            said = collector.stdout.readline() if select.select([collector.stdout], [], [], 120)[0] else ""
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    assert said.startswith(f"[run] another process is preparing {tmp_path / 'shared'} (building its initial "
+                           f"policy, or creating its buffer): waiting for it"), said
+    out = finish(collector)  # then it prepares the run itself and collects its round
+    assert "[run] building the initial policy" in out and "[collector] stopped after 1 round " in out, out[-3000:]
+
+
 def test_a_second_collector_with_a_live_ones_index_is_refused_in_one_line(tmp_path, capsys):
     """``collect --collector-index 0`` beside a live collector 0 printed a StoreLockedError traceback
     (exit 1) with Python advice (``mode='r'``); every other refusal is one line, exit 2."""
