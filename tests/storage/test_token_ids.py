@@ -101,16 +101,22 @@ def test_repair_names_the_groups_and_the_selection_without_them_that_a_learner_s
 
 
 def test_repair_reports_damage_that_keeps_rows_from_being_read_and_notes_the_ids_unchecked(tmp_path, capsys):
-    """A segment file cut short outside this library: repair reports it as not recoverable, as it does
-    without a vocabulary; with one (a run's, or --vocab-size), its check of the ids read the rows and the
-    whole command was one error line instead of the report. Now the report, and a note as inspect's."""
-    _planted(tmp_path / "buffer", 102)
-    cut = tmp_path / "buffer" / "seg-00000000" / "prompt_tokens.values"
+    """A segment file cut short outside this library, in one shard of two: repair reports it as not
+    recoverable, as it does without a vocabulary; with one (a run's, or --vocab-size), its check of the
+    ids read the rows and the whole command was one error line instead of the report. Now the report,
+    and a note on the damaged shard's (every shard's quoted the damage of one)."""
+    damaged, whole = tmp_path / "buffer" / "shard-0000", tmp_path / "buffer" / "shard-0001"
+    _planted(damaged, 102)
+    with create_store(whole, "memmap") as store:
+        store.append(make_batch(1, GROUP, vocab_size=102))
+    cut = damaged / "seg-00000000" / "prompt_tokens.values"
     cut.write_bytes(cut.read_bytes()[:10])
     assert main(["repair", str(tmp_path / "buffer"), "--quiet", "--vocab-size", "102"]) == 1
     out = capsys.readouterr().out
     assert f"NOT RECOVERABLE: {cut} holds 10 bytes" in out, out
-    assert f"note: token ids not checked: {cut} holds 10 bytes" in out, out
+    damaged_report, whole_report = out.split(f"{whole} (memmap)")
+    unchecked = "note: token ids not checked: its rows cannot be read while the damage above stays"
+    assert unchecked in damaged_report and "token ids" not in whole_report, out
 
 
 def test_repair_of_a_run_names_the_branch_from_the_newest_checkpoint_before_the_bad_rows(tmp_path, capsys):
