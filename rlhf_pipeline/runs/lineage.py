@@ -186,7 +186,8 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
         "rewind_points": run_checkpoints(paths).rewind_points(),
         "resumed_with": resumed_with,
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
-                                               "settings_changed": parent.get("settings_changed", [])},
+                                               "settings_changed": parent.get("settings_changed", []),
+                                               "buffer_rows": parent.get("buffer_rows")},
         "branches": [{"run": b["run"], "step": b["step"], **what_branch_reads(b, location, home)}
                      for b in sorted(records, key=lambda b: (b["step"], b["run"])) if not b["half_made"]],
         "half_made": [{"run": b["run"], "step": b["step"]} for b in sorted(records, key=lambda b: b["run"])
@@ -223,6 +224,13 @@ def describe_branch(branch: dict[str, Any]) -> str:
     return f"  {branch['run']} (from step {branch['step']}; {what})"
 
 
+def _split(rows: int, inherited: int | None) -> str:
+    """How a branch's checkpoint's rows of a shard divide: the parent's below the branch step, then its own."""
+    if not isinstance(inherited, int) or rows < inherited:
+        return ""
+    return f" (the parent's {inherited}, then {rows - inherited} of its own)"
+
+
 def format_lineage(lineage: dict[str, Any]) -> str:
     """``run_lineage`` as the lines ``inspect`` prints above the buffer's table."""
     lines = [f"run  {lineage['run']}"]
@@ -233,9 +241,13 @@ def format_lineage(lineage: dict[str, Any]) -> str:
     points = lineage["rewind_points"]
     lines.append(f"rewind points  {len(points)} (checkpoints a branch can start from)" if points
                  else "rewind points  none (no checkpoint yet)")
+    # a branch's rows are the parent's below its branch step, then its own shard's: its own ids (retention's
+    # first row held, the buffer's table) start at 0 again, its checkpoints count both
+    inherited = (parent or {}).get("buffer_rows") or {}
     for point in points:
         rows = point.get("buffer_rows")
-        where = ("  buffer rows " + ", ".join(f"{name or 'store'}={n}" for name, n in sorted(rows.items()))
+        where = ("  buffer rows " + ", ".join(f"{name or 'store'}={n}{_split(n, inherited.get(name))}"
+                                              for name, n in sorted(rows.items()))
                  if rows is not None else "  (buffer position not recorded: a checkpoint made before records)")
         version = f"  policy version {point['policy_version']}" if "policy_version" in point else ""
         lines.append(f"  step {point['step']}{version}{where}")

@@ -111,6 +111,27 @@ def test_a_branch_with_nothing_changed_trains_online_what_the_parent_trained_aft
     assert own and own == rows(parent / "buffer", first=at_step["shard-0000"])
 
 
+def test_inspect_divides_a_branchs_checkpoint_rows_into_the_parents_and_its_own(runs, capsys):
+    """A continued branch's checkpoints count the parent's rows below the branch step and then its own
+    shard's, while its buffer's table and retention's first row held count its own shard's ids: inspect
+    printed the sum alone, which matched neither."""
+    home, _, at_step = runs
+    assert main(["inspect", str(home / "same"), "--json"]) == 0
+    points = json.loads(capsys.readouterr().out)["run"]["rewind_points"]
+    after = [p for p in points if p["step"] > BRANCH_AT]
+    assert after, points
+    assert main(["inspect", str(home / "same")]) == 0
+    out = capsys.readouterr().out
+    inherited = at_step["shard-0000"]
+    for point in after:
+        rows = point["buffer_rows"]["shard-0000"]
+        assert rows > inherited
+        assert (f"  step {point['step']}  policy version {point['policy_version']}  buffer rows shard-0000={rows} "
+                f"(the parent's {inherited}, then {rows - inherited} of its own)\n") in out, out
+    with open_store(home / "same" / "buffer" / "shard-0000") as own:  # its own ids: what its checkpoints add
+        assert rows - inherited <= own.next_row
+
+
 def test_the_parent_keeps_the_weights_its_kept_steps_branches_sample_with_and_no_more(runs):
     """Beside its newest three versions the learner keeps, for each kept checkpoint, those from the one
     its collector held at the checkpoint's rows up to the checkpoint's own: what the branch above sampled
