@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import refuse_empty, run_or_path, writable_output
+from rlhf_pipeline.cli.checks import refuse_empty, run_or_path, step_or_best, writable_output
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -29,15 +29,6 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="change a setting at the branch point, e.g. --set learner.lr=1e-4 (repeatable; "
                              "what a resume may change: learner.*, max_lag, steps, device, eval.*, ray.*, "
                              "generation.url)")
-
-
-def step_or_best(text: str) -> int | str:
-    if text == "best":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a step number nor best") from None
 
 
 def run(args: argparse.Namespace) -> int:

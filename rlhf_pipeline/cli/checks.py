@@ -142,3 +142,13 @@ def run_or_path(text: str, home: str | None = None, what: str = "") -> str:
     where = f"--home {home}" if home is not None else f"${HOME_ENV_VAR} or storage/"
     raise CommandRefused(f"{what + ' ' if what else ''}{text} does not exist, and no run of that name is under "
                          f"{Path(location).parent} ({where})")
+
+
+def step_or_best(text: str) -> int | str:
+    """``--from-step`` / ``--step``: a learner step, or ``best`` (the run's best checkpoint by learner.keep_best)."""
+    if text == "best":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a step number nor best") from None

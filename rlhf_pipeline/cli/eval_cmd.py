@@ -1,4 +1,4 @@
-"""``rlhf-pipeline eval RUN [--step N | --all-kept] [--set eval.samples=...]``: a run's policy versions
+"""``rlhf-pipeline eval RUN [--step N|best | --all-kept] [--set eval.samples=...]``: a run's policy versions
 on its pipeline's held-out sets, into the run's eval stores (``<run>/eval/<set>``).
 
 Each (version, set) is evaluated once: a second call evaluates only what is not stored yet, and
@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_pipeline.cli import CommandRefused
-from rlhf_pipeline.cli.checks import add_run_argument
+from rlhf_pipeline.cli.checks import add_run_argument, step_or_best
 
 
 def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -19,8 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser, name: str) -> None:
                         help="the run directory (holds settings.json, weights/, checkpoints/), a run's URL (s3://..., "
                              "az://...), or a run's name under --home")
     which = parser.add_mutually_exclusive_group()
-    which.add_argument("--step", type=int, default=None, metavar="N",
-                       help="the policy of learner step N, from a kept checkpoint or published weights")
+    which.add_argument("--step", type=step_or_best, default=None, metavar="N",
+                       help="the policy of learner step N, from a kept checkpoint or published weights; or best: "
+                            "the run's best checkpoint by learner.keep_best (e.g. scored again with more samples)")
     which.add_argument("--all-kept", action="store_true",
                        help="every policy version whose weights the run keeps (the default)")
     which.add_argument("--follow", action="store_true",
@@ -50,12 +51,13 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.state_files import StateFileError
     from rlhf_pipeline.pipeline import PipelineError
+    from rlhf_pipeline.learn.keep_best import NoBestCheckpoint
     from rlhf_pipeline.storage.errors import StoreLockedError
 
     try:
         return _evaluate(args)
     except (PipelineError, VersionNotFoundError, RunNotFoundError, RunLocationError, StateFileError,
-            EvalEngineUnavailable) as exc:
+            EvalEngineUnavailable, NoBestCheckpoint) as exc:
         raise CommandRefused(str(exc)) from None
     except StoreLockedError as exc:
         raise CommandRefused(f"another evaluator ({exc.holder or 'another process'}) is writing this run's eval store; "
@@ -88,6 +90,12 @@ def _evaluate(args: argparse.Namespace) -> int:
         return eval_main(pipeline, paths, engine_device=engine_device)
     publish_every = pipeline.learner.publish_every
     sets, settings = eval_sets_of(pipeline), pipeline.settings.eval
+    if args.step == "best":
+        from rlhf_pipeline.learn.checkpoint import run_best
+
+        best = run_best(paths, "--step N")
+        print(f"the best checkpoint, {best.describe()}")
+        args.step = best.step
     if args.step is not None:
         version, rest = divmod(args.step, publish_every)
         if not rest and version not in available:  # evaluated beside training, its policy dropped since?

@@ -84,6 +84,14 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     assert numbered and all(tensor.equal(numbered[name]) for name, tensor in model.state_dict().items()
                             if name in numbered)
 
+    # the best scored again with more samples (its first score was two samples' at temperature 1)
+    rescored = command_here(capsys, "eval", str(run), "--step", "best", "--set", "eval.samples=4")
+    assert rescored.returncode == 0, rescored.stderr
+    assert rescored.stdout.startswith(f"the best checkpoint, step {step} (policy version {step}): {METRIC} ")
+    assert f"held_out-k2-t1-n8 step {step} (policy version {step}): " not in rescored.stdout  # a new evaluation's
+    assert f"held_out-k4-t1-n8 step {step} (policy version {step}): pass@1 " in rescored.stdout, rescored.stdout
+    assert sorted(eval_scores(RunPaths(run).store, METRIC.replace("k2", "k4"))) == [step]
+
     # branches are made beside their parent (the kill test reads the parent only: branching leaves it as it was)
     home = run.parent
     assert command_here(capsys, "branch", str(run), "--from-step", "best", "from-best").returncode == 0
@@ -99,6 +107,9 @@ def test_the_best_checkpoint_is_kept_shown_exported_and_branched_from_as_its_ste
     refused = command_here(capsys, "export-model", str(home / "from-best"), str(tmp_path / "none"), "--best")
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
     assert "has no best checkpoint yet" in refused.stderr
+    refused = command_here(capsys, "eval", str(home / "from-best"), "--step", "best")
+    assert refused.returncode == 2 and "has no best checkpoint yet" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not refused.stdout
     # continued online, it evaluates from its branch point on: the versions below are the parent's, scored in
     # the parent's eval store (version 0 too, which eval.before_training scored there)
     continued = preloaded.run(command(home, "from-best", steps=step + 2), cwd=REPO, capture_output=True, text=True,
