@@ -187,7 +187,9 @@ def run_lineage(run: str | Path) -> dict[str, Any]:
         "resumed_with": resumed_with,
         "parent": None if parent is None else {"run": parent["parent"], "step": parent["step"],
                                                "settings_changed": parent.get("settings_changed", []),
-                                               "buffer_rows": parent.get("buffer_rows")},
+                                               # a branch of a replay counts its source's rows, not the parent's
+                                               "buffer_rows": parent.get("buffer_rows")
+                                               if parent.get("replay_source") is None else None},
         "branches": [{"run": b["run"], "step": b["step"], **what_branch_reads(b, location, home)}
                      for b in sorted(records, key=lambda b: (b["step"], b["run"])) if not b["half_made"]],
         "half_made": [{"run": b["run"], "step": b["step"]} for b in sorted(records, key=lambda b: b["run"])

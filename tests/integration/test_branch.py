@@ -155,6 +155,7 @@ def test_inspect_shows_the_lineage_and_the_rewind_points(runs, capsys):
     assert main(["inspect", str(faster)]) == 0
     out = capsys.readouterr().out
     assert f"branched from  {parent} at step 6 (learner.lr: was 0.0003, now 0.001)" in out
+    assert "buffer rows store=" in out and "of its own" not in out  # a replay's branch counts its source's rows
 
 
 def test_plot_draws_each_branch_from_its_branch_step_beside_its_parent(runs):
