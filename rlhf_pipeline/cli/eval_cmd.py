@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
     from rlhf_pipeline.evaluation.evaluator import EvalEngineUnavailable
     from rlhf_pipeline.files.run_paths import RunLocationError
     from rlhf_pipeline.files.state_files import StateFileError
-    from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.learn.keep_best import NoBestCheckpoint
+    from rlhf_pipeline.pipeline import PipelineError
     from rlhf_pipeline.storage.errors import StoreLockedError
 
     try:
@@ -90,14 +90,15 @@ def _evaluate(args: argparse.Namespace) -> int:
         return eval_main(pipeline, paths, engine_device=engine_device)
     publish_every = pipeline.learner.publish_every
     sets, settings = eval_sets_of(pipeline), pipeline.settings.eval
-    if args.step == "best":
+    step = args.step
+    if step == "best":
         from rlhf_pipeline.learn.checkpoint import run_best
 
         best = run_best(paths, "--step N")
         print(f"the best checkpoint, {best.describe()}")
-        args.step = best.step
-    if args.step is not None:
-        version, rest = divmod(args.step, publish_every)
+        step = best.step
+    if step is not None:
+        version, rest = divmod(step, publish_every)
         if not rest and version not in available:  # evaluated beside training, its policy dropped since?
             stored = _stored_progresses(paths, sets, settings)
             if all(progress is not None and version in progress.done for progress in stored.values()):
@@ -105,7 +106,7 @@ def _evaluate(args: argparse.Namespace) -> int:
                 return 0
         if rest or version not in available:
             kept = ", ".join(str(v * publish_every) for v in available) or "none"
-            raise PipelineError(f"--step {args.step}: no policy of that step is kept in {paths.location}, nor a result "
+            raise PipelineError(f"--step {step}: no policy of that step is kept in {paths.location}, nor a result "
                                 f"of it with these eval settings (versions are published every {publish_every} steps; "
                                 f"kept steps: {kept})")
         chosen = [version]
