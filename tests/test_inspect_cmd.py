@@ -113,6 +113,7 @@ def test_disk_to_raw_ratio_is_described_by_its_value():
     assert describe_ratio(12.894) == "12.894  (the files take 12.9 times the raw payload)"
     assert describe_ratio(1.0) == "1.000  (the files take what the raw payload does)"
     assert describe_ratio(float("nan")) == "-"
+    assert describe_ratio(0.412, "the objects") == "0.412  (the objects take 59% less than the raw payload: compressed)"
 
 
 def test_multi_turn_trajectories_are_counted_with_how_they_ended(tmp_path, capsys):

@@ -162,17 +162,18 @@ def _bytes(n: int) -> str:
     return f"{n:.1f} TiB"
 
 
-def describe_ratio(ratio: float) -> str:
-    """Bytes on disk per raw byte, said as what it means for this value."""
+def describe_ratio(ratio: float, stored_as: str = "the files") -> str:
+    """Bytes on disk per raw byte, said as what it means for this value (``stored_as``: what holds the
+    bytes, the files of a directory or the objects at a URL)."""
     if ratio != ratio:  # NaN: an empty store has no raw payload
         return "-"
     if round(ratio, 3) == 1:
-        return f"{ratio:.3f}  (the files take what the raw payload does)"
+        return f"{ratio:.3f}  ({stored_as} take what the raw payload does)"
     if ratio >= 2:  # small stores: metadata and allocation blocks outweigh the rows
-        return f"{ratio:.3f}  (the files take {ratio:.1f} times the raw payload)"
+        return f"{ratio:.3f}  ({stored_as} take {ratio:.1f} times the raw payload)"
     if ratio > 1:
-        return f"{ratio:.3f}  (the files take {ratio - 1:.0%} more than the raw payload)"
-    return f"{ratio:.3f}  (the files take {1 - ratio:.0%} less than the raw payload: compressed)"
+        return f"{ratio:.3f}  ({stored_as} take {ratio - 1:.0%} more than the raw payload)"
+    return f"{ratio:.3f}  ({stored_as} take {1 - ratio:.0%} less than the raw payload: compressed)"
 
 
 def format_stats(stats) -> str:
@@ -180,6 +181,8 @@ def format_stats(stats) -> str:
     from rlhf_pipeline.storage.summary import describe_trajectories, describe_versions
 
     ratio = stats.disk_bytes_per_raw_byte
+    at_a_url = "://" in str(stats.location)
+    counted = "the objects' sizes" if at_a_url else "as du counts the store's files and directories"
     rows = [
         ("location", stats.location),
         ("backend", stats.backend),
@@ -194,9 +197,9 @@ def format_stats(stats) -> str:
         ("reward min / max", f"{_number(stats.reward_min)} / {_number(stats.reward_max)}"),
         ("policy versions", describe_versions(stats.policy_versions)),
         ("segments", str(stats.segments)),
-        ("bytes on disk", f"{_bytes(stats.bytes_on_disk)}  (as du counts the store's files and directories)"),
+        ("bytes on disk", f"{_bytes(stats.bytes_on_disk)}  ({counted})"),
         ("raw payload", f"{_bytes(stats.raw_bytes)}  (token values, row fields, UTF-8 text)"),
-        ("disk/raw", describe_ratio(ratio)),
+        ("disk/raw", describe_ratio(ratio, "the objects" if at_a_url else "the files")),
         ("optional fields", ", ".join(stats.optional_fields) or "-"),
     ]
     rows += [(key.replace("_", " "), str(value)) for key, value in sorted(stats.extra.items())]

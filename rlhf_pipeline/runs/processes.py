@@ -390,8 +390,8 @@ class _StopCheck:
             from rlhf_pipeline.collect.console import say
 
             say(f"{tag} the run's learner finished before this collector started (its STOP is there): "
-                f"collecting for the next learner (`learn` or `run` with a larger --steps), which the "
-                f"collector then stops with")
+                f"collecting for the next learner (`learn` or `run` with a larger --steps), and stopping when "
+                f"that learner finishes")
 
     @property
     def waiting_for(self) -> str | None:

@@ -84,6 +84,8 @@ def test_inspect_and_convert_back_from_s3(s3_server, s3_source, local_source, tm
         item["Size"] for page in s3_server.client().get_paginator("list_objects_v2").paginate(
             Bucket=s3_source.split("/")[2], Prefix=s3_source.split("/", 3)[3] + "/")
         for item in page["Contents"])
+    table = command(s3_server, "inspect", s3_source).stdout  # says what it counted: no du at a URL
+    assert "(the objects' sizes)" in table and "du" not in table and "the objects take" in table
     verified = command(s3_server, "inspect", s3_source, "--verify", "--quiet").stdout
     assert "96 rows: no damage found" in verified
 
