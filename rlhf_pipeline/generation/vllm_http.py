@@ -72,9 +72,12 @@ class Retries:
     backoff_s: float = 1.0
     timeout_s: float | None = 600.0
     announce: Callable[[str], None] = field(default=_to_stderr, repr=False)
-    """Where the line said before each restart goes (the collector sets its console's)."""
+    """Where the lines said before each restart and when a server stops answering go (the collector
+    sets its console's)."""
     in_a_row: int = 0
     """Restarts since the server last answered."""
+    _unanswered_said: bool = field(default=False, init=False, repr=False, compare=False)
+    _said_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # here, not as Bounds on GenerationSettings: a value for an engine that does not take it is
@@ -107,8 +110,17 @@ class Retries:
         return min(self.backoff_s * 2 ** (self.in_a_row - 1), MAX_RESTART_DELAY_S)
 
     def answered(self) -> None:
-        """The server answered: the next death starts a new run of restarts."""
+        """The server answered: the next death starts a new run of restarts, the next silence is said."""
         self.in_a_row = 0
+        self._unanswered_said = False
+
+    def unanswered(self, line: str) -> None:
+        """Says ``line`` (a request went unanswered and is asked again) once until the server answers
+        again: a round's requests all meet the same silence, and the retries of one may last a minute."""
+        with self._said_lock:
+            said, self._unanswered_said = self._unanswered_said, True
+        if not said:
+            self.announce(line)
 
 
 class JsonClient:
@@ -130,6 +142,8 @@ class JsonClient:
         self.requests_sent = 0
         self.request_s = 0.0
         """Seconds from sending a request to having its whole reply, summed over ``requests_sent``."""
+        self.silent = False
+        """The last request that ended went unanswered through every retry (:class:`ServerUnreachable`)."""
 
     @property
     def base_url(self) -> str:
@@ -160,6 +174,12 @@ class JsonClient:
         attempt = 0
         while attempt < tries:
             if attempt:
+                if bad is None:
+                    more = range(attempt - 1, tries - 1)
+                    self.retries.unanswered(
+                        f"the vLLM server at {self.base_url} did not answer {method} {path} ({last}): asking again, "
+                        f"{len(more)} more {'try' if len(more) == 1 else 'tries'} over "
+                        f"{sum(self.retries.pause(k) for k in more):.0f} s (generation.retries, generation.backoff_s)")
                 time.sleep(self.retries.pause(attempt - 1))
             attempt += 1
             seen = self.supervisor.generation if self.supervisor is not None else 0
@@ -176,11 +196,13 @@ class JsonClient:
             if status >= 400:
                 detail = _detail(raw, reason)
                 if status not in RETRY_STATUSES:
+                    self.silent = False
                     raise ServerError(f"the vLLM server at {self.base_url} answered {method} {path} with HTTP "
                                       f"{status}: {detail}", status, detail) from None
                 last = f"HTTP {status}: {detail}"
                 continue
             self.retries.answered()
+            self.silent = False
             if text:
                 return raw.decode("utf-8", errors="replace")
             try:
@@ -198,6 +220,7 @@ class JsonClient:
             raise BadAnswer(f"the vLLM server at {self.base_url} answered {method} {path} with what cannot be used: "
                             f"{bad} ({'its only try' if tries == 1 else f'the last of {tries} tries'}; nothing of it "
                             f"stored); check the server (its version, its model), then rerun to resume")
+        self.silent = True
         raise ServerUnreachable(
             f"the vLLM server at {self.base_url} did not answer {method} {path} after {tries} "
             f"{'try' if tries == 1 else 'tries'} over {time.monotonic() - started:.0f} s ({last}); check that it "

@@ -251,10 +251,10 @@ class RoundLease:
         self._stop = threading.Event()
         self._renewer = threading.Thread(target=self._renew_until_released, name="vllm-lease", daemon=True)
 
-    def _call(self, op: str, **arguments: Any) -> dict[str, Any]:
+    def _call(self, op: str, *, retry: bool = True, **arguments: Any) -> dict[str, Any]:
         body = {"method": "published_lease", "args": [json.dumps({"op": op, "holder": self.holder, **arguments})]}
         try:
-            reply = self.client.post("/collective_rpc", body)
+            reply = self.client.post("/collective_rpc", body, retry=retry)
         except ServerError as exc:
             if "published_lease" in exc.detail or exc.status == 404:
                 raise LeaseUnsupported(f"the vLLM server at {self.client.base_url} has no weights lease in its worker "
@@ -300,8 +300,10 @@ class RoundLease:
 
     def _renew_until_released(self) -> None:
         while not self._stop.wait(self.ttl_s / 4):
-            with contextlib.suppress(Exception):  # a missed renewal is caught by the epoch check, not here
-                self._call("renew", ttl_s=self.ttl_s)
+            # one try: a missed renewal is caught by the epoch check, and the next comes in ttl_s / 4; retried,
+            # a dead server's renewal would hold the round's end (which joins this thread) for every retry
+            with contextlib.suppress(Exception):
+                self._call("renew", retry=False, ttl_s=self.ttl_s)
 
     def check(self) -> None:
         """Raises :class:`EngineFailed` when weights were loaded since this round was granted: the
@@ -316,8 +318,10 @@ class RoundLease:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._renewer.join()
-        with contextlib.suppress(Exception):  # an unanswered release expires on the server after ttl_s
-            self._call("release")
+        # an unanswered release expires on the server after ttl_s; asked again only while the server
+        # answers: after a request it left unanswered through every retry, they would be waited over again
+        with contextlib.suppress(Exception):
+            self._call("release", retry=not self.client.silent)
 
 
 def weights_digest(path: Path) -> str:

@@ -201,3 +201,42 @@ def test_a_restart_line_goes_to_the_stderr_of_the_moment_it_is_said(capsys):
     # a quiet replay rank redirects sys.stderr after this module was imported: the line must follow it
     Retries().announce("[collector 0] restarting the vLLM server")
     assert capsys.readouterr().err == "[collector 0] restarting the vLLM server\n"
+
+
+def test_a_server_that_stops_answering_is_said_once_until_it_answers_again(scripted):
+    # without the line, a collector whose server died said nothing for the minute its retries took
+    said = []
+    retries = Retries(retries=2, backoff_s=0.01, timeout_s=10.0, announce=said.append)
+    client = JsonClient(f"http://127.0.0.1:{scripted.server_port}", retries)
+    scripted.script = [(503, {"error": {"message": "restarting"}})] * 12
+    failed = []
+
+    def ask():
+        try:
+            client.post("/v1/completions", {})
+        except ServerUnreachable:
+            failed.append(True)
+
+    senders = [threading.Thread(target=ask) for _ in range(4)]  # a round's requests meet the same silence
+    for sender in senders:
+        sender.start()
+    for sender in senders:
+        sender.join()
+    assert len(failed) == 4 and client.silent and len(said) == 1
+    assert said[0].startswith(f"the vLLM server at http://127.0.0.1:{scripted.server_port} did not answer POST "
+                              f"/v1/completions (HTTP 503: restarting): asking again, 2 more tries over 0 s")
+    assert client.post("/v1/completions", {}) == {"ok": True} and not client.silent and len(said) == 1
+    scripted.script = [(503, {})]  # a new silence, after an answer: said again
+    assert client.post("/v1/completions", {}) == {"ok": True} and len(said) == 2
+
+
+def test_a_round_lease_on_a_server_that_does_not_answer_ends_without_waiting_its_retries_again(scripted):
+    from rlhf_pipeline.generation.vllm_url_weights import RoundLease
+
+    client = JsonClient(f"http://127.0.0.1:{scripted.server_port}", QUICK)
+    scripted.script = [(503, {})] * 20
+    lease = RoundLease(client, "weights", 3, ttl_s=60.0, load=lambda _: None, reset=lambda: None)
+    with pytest.raises(ServerUnreachable, match="after 4 tries"):
+        lease.__enter__()
+    # the acquire's four tries, then one release (it expires on the server anyway), not four more
+    assert [json.loads(body["args"][0])["op"] for body in scripted.bodies] == ["acquire"] * 4 + ["release"]
