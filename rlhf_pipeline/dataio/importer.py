@@ -331,12 +331,17 @@ def _check_groups(plan: WritePathPlan, checked: Scan, source: Source, resolved: 
 
 
 def _id_bases(store, target: Target, store_path: Path | str, resolved: ResolvedColumns, checked: Scan, source: Source,
-              tokenizer: Any, options: ImportOptions) -> dict[str, int]:
-    """First fresh group / trajectory id: past every id the store holds, in the shard's id range.
+              tokenizer: Any, options: ImportOptions) -> dict[str, Any]:
+    """First fresh group / trajectory id: past every id the store holds, in the shard's id range; and
+    whether given ids are renumbered from there (``renumber_ids``).
 
-    Given group ids already in the store would merge imported rows into stored groups: an error.
+    A run's shard renumbers them, each group and trajectory kept whole: the other shards of its buffer
+    hold ids of their own (another run's export, or this run's, counts from 0 as collector 0 does), and a
+    shard's ids carry its index (``schema/ids.py``). A store keeps them, and given group ids already in it
+    would merge imported rows into stored groups: an error.
     """
     space = target.shard_index if target.shard_index is not None else shard_of(store_path)
+    renumber = target.run is not None
     group_max = traj_max = -1
     stored_groups = []
     n = len(store)
@@ -344,9 +349,9 @@ def _id_bases(store, target: Target, store_path: Path | str, resolved: ResolvedC
         ids = store.read(torch.arange(start, min(n, start + 65_536)), fields=("group_id", "trajectory_id"))
         group_max = max(group_max, int(ids["group_id"].max()))
         traj_max = max(traj_max, int(ids["trajectory_id"].max()))
-        if resolved.group_ids_given:
+        if resolved.group_ids_given and not renumber:
             stored_groups.append(np.unique(ids["group_id"].numpy()))
-        if checked.trajectory_ids is not None:
+        if checked.trajectory_ids is not None and not renumber:
             _refuse_stored_trajectories(ids["trajectory_id"].numpy(), store, resolved, checked, source, tokenizer,
                                         options)
     if stored_groups:
@@ -360,7 +365,8 @@ def _id_bases(store, target: Target, store_path: Path | str, resolved: ResolvedC
                 f"already in {store.location}; importing would merge groups. Import into a new buffer, or leave the "
                 f"column out (--ignore-column {resolved.slots['group']}) to group by prompt with fresh ids")
     base = id_base(space)
-    return {"group_base": max(base, group_max + 1), "trajectory_base": max(base, traj_max + 1)}
+    return {"group_base": max(base, group_max + 1), "trajectory_base": max(base, traj_max + 1),
+            "renumber_ids": renumber}
 
 
 def _refuse_stored_trajectories(stored: np.ndarray, store, resolved: ResolvedColumns, checked: Scan, source: Source,
@@ -461,6 +467,10 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
     else:
         version = (latest_version(target.run.store) or 0) if target.run is not None else 0
     group_base, traj_base = int(record.data["group_base"]), int(record.data["trajectory_base"])
+    renumber = bool(record.data.get("renumber_ids", False))  # an import begun before renumbering kept given ids
+    if renumber and (resolved.group_ids_given or checked.trajectory_ids is not None):
+        log("[import] the source's group and trajectory ids are numbered again in the shard's range, each group and "
+            "trajectory kept whole: a run's ids are unique across its buffer's shards")
     queue = _ClosedPrefixQueue(checked.rows_per_group)
     written = int(record.data["rows_written"])
     progress = Progress("import: write", checked.source_rows, enabled=options.show_progress)
@@ -495,7 +505,7 @@ def _write(source: Source, store, pipeline: Pipeline, resolved: ResolvedColumns,
         if index >= len(checked.chunk_digests) or chunk_digest(rows) != checked.chunk_digests[index]:
             _changed(source, record, written, f"{chunk.where(0)} onwards differs from what the check pass read")
         batch, groups = _with_ids(rows, checked, group_base, traj_base, checked.completions_before_chunk[index],
-                                  version)
+                                  version, renumber=renumber)
         source_rows = chunk.ordinal + rows.source_row
         if chunk.ordinal < start_row:  # the chunk the interrupted import stopped in
             keep = torch.from_numpy(np.nonzero(source_rows >= start_row)[0])
@@ -531,11 +541,18 @@ def _changed(source: Source, record: ImportRecord, written: int, how: str):
 
 
 def _with_ids(rows: ImportRows, checked: Scan, group_base: int, traj_base: int, first_completion: int,
-              version: int) -> tuple[TrajectoryBatch, np.ndarray]:
-    """The chunk's rows with group / trajectory ids and versions (given ones kept) and their group numbers."""
+              version: int, *, renumber: bool) -> tuple[TrajectoryBatch, np.ndarray]:
+    """The chunk's rows with group / trajectory ids and versions (given ones kept, ids unless ``renumber``)
+    and their group numbers."""
     n = len(rows)
     columns = dict(rows.columns)
     groups = checked.group_numbers(rows.group_key)
+    if renumber:  # a group's number is its key's order of first appearance; a trajectory's, its id's rank
+        columns.pop("group_id", None)
+        given = columns.pop("trajectory_id", None)
+        if given is not None:
+            columns["trajectory_id"] = traj_base + torch.from_numpy(
+                np.searchsorted(checked.trajectory_ids, given.numpy()).astype(np.int64))
     columns.setdefault("group_id", torch.from_numpy(group_base + groups))
     columns.setdefault("trajectory_id", traj_base + first_completion + torch.arange(n, dtype=torch.int64))
     columns.setdefault("policy_version", torch.full((n,), version, dtype=torch.int64))

@@ -74,6 +74,37 @@ def test_an_import_into_a_run_refuses_a_pipeline_other_than_the_runs_copy(tiny_r
     assert main(["import", str(source), str(run), "--quiet", "--pipeline", str(run / "pipeline.py")]) == 0
 
 
+def test_a_runs_export_imported_into_a_run_is_numbered_in_the_imports_shard(tiny_run, tmp_path, capsys):
+    """An export keeps group and trajectory ids; imported into a run (its own, or any run whose collector 0
+    counted from 0 too) they were kept, so the import's shard repeated collector 0's ids: `filter --groups`
+    judged two groups as one and `show` joined two trajectories. They are numbered again in the import's
+    shard's range, each group and trajectory whole."""
+    from rlhf_pipeline.schema.ids import collector_index_of
+    from rlhf_pipeline.storage import open_buffer
+
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    exported = tmp_path / "rows.jsonl"
+    assert main(["export", str(run), str(exported), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["import", str(exported), str(run)]) == 0
+    assert "numbered again in the shard's range" in capsys.readouterr().err
+    rows = {}
+    for shard in ("shard-0000", "shard-9000"):
+        with open_buffer(str(run / "buffer" / shard), mode="r") as store:
+            rows[shard] = store.read(torch.arange(len(store)))
+    own, imported = rows["shard-0000"], rows["shard-9000"]
+    assert imported["response_tokens"].equal(own["response_tokens"])  # the same rows, in the same order
+    for key in ("group_id", "trajectory_id"):
+        assert set(collector_index_of(imported[key]).tolist()) == {9000}, key
+        # one new id for each old one and back: every group and trajectory whole, none joined
+        pairs = set(zip(own[key].tolist(), imported[key].tolist()))
+        assert len(pairs) == len(set(own[key].tolist())) == len(set(imported[key].tolist())), key
+    assert main(["filter", str(run), "--where", "reward >= 0", "--groups", "--dry-run"]) == 0
+    groups = len(set(own["group_id"].tolist()))
+    assert f"of {2 * groups} groups" in capsys.readouterr().out
+
+
 # ====================================================================== records the first one does not speak for
 def _set_small():
     return [a for s in SMALL for a in ("--set", s)]
