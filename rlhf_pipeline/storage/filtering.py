@@ -210,7 +210,9 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
     with open_buffer(str(src), mode="r") as source:
         if dst is not None:
             _check_destination(str(dst), str(src), source)
-            if not selection:  # a selection is a directory whatever its name
+            if selection:
+                _check_selection_at_url(str(dst), source)
+            else:  # a selection is a directory whatever its name
                 check_zip_destination(str(dst), to or _backend_and_segment(source)[0])
         expression = parse_where(where, stored_fields=source.schema.field_names)
         parts = parts_of(source)  # every read below names rows by global id within these parts
@@ -249,10 +251,31 @@ def _check_destination(dst: str, src: str, source: TrajectoryStore) -> None:
                          f"(a shard of a run's buffer is read by its learner); choose a path outside it")
 
 
+def _check_selection_at_url(dst: str, source: TrajectoryStore) -> None:
+    """Refuses a selection kept at a URL of rows on this machine: it reads its rows in place, from any
+    machine that opens it."""
+    if "://" not in dst:
+        return
+    from rlhf_pipeline.storage.manifest import is_selection
+
+    if is_selection(dst):
+        raise FileExistsError(f"{dst} holds a saved selection; choose a new URL for the selection")
+    local = next((p.store.location for p in parts_of(source) if "://" not in str(p.store.location)), None)
+    if local is not None:
+        raise ValueError(f"{dst}: a selection kept at a URL reads its rows in place from any machine, and {local} "
+                         f"is on this one; save the selection in a directory, or filter without --selection to copy "
+                         f"the rows to the URL")
+
+
 def _save_selection(source: TrajectoryStore, parts: list[Part], positions: np.ndarray, dst: str, where: str,
                     whole_groups: bool) -> None:
     from rlhf_pipeline.storage import open_buffer
-    from rlhf_pipeline.storage.selection import SelectionStore, write_selection
+    from rlhf_pipeline.storage.selection import SelectionStore, save_selection_at_url, write_selection
+
+    if "://" in dst:  # saved here, then kept there: the same files, the manifest last
+        save_selection_at_url(dst, lambda local: _save_selection(source, parts, positions, str(local), where,
+                                                                 whole_groups))
+        return
 
     if isinstance(source, SelectionStore):
         # a selection of a selection names the rows of the original buffer: no chains of views

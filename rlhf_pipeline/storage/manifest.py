@@ -31,7 +31,16 @@ torch behind it, so that ``inspect`` of a directory that is no buffer answers at
 
 
 def is_selection(location: str | os.PathLike) -> bool:
-    """True when ``location`` is a directory holding a saved selection; never raises."""
+    """True when ``location`` holds a saved selection: a directory, or an ``s3://`` or ``az://`` URL
+    (one HEAD; ``filter --selection`` keeps one there as a branch keeps its ``parent-rows/``); never raises."""
+    if "://" in str(location):
+        from rlhf_pipeline.files.object_run_store import ObjectRunStore
+        from rlhf_pipeline.files.run_store import RunStoreError
+
+        try:
+            return ObjectRunStore(str(location).rstrip("/")).exists(SELECTION_MANIFEST)
+        except (ValueError, RunStoreError, OSError):  # another scheme, no client, no answer: no selection
+            return False
     try:
         return (Path(location) / SELECTION_MANIFEST).is_file()
     except (OSError, ValueError):

@@ -16,7 +16,7 @@ import os
 import shutil
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -508,10 +508,27 @@ class SelectionStore(TrajectoryStore):
 # again at each opening: a few bytes per row; the rows it names are read in place from their stores.
 def publish_selection(directory: Path, store: Any, key: str) -> None:
     """Puts the selection written at ``directory`` into the run store ``store`` (a
-    :class:`~rlhf_pipeline.files.run_store.RunStore`) under ``key``: its ids files, then its manifest."""
+    :class:`~rlhf_pipeline.files.run_store.RunStore`) under ``key`` (empty: at its root): its ids files,
+    then its manifest."""
     for name in (ROWS_NAME, PARTS_NAME, MANIFEST_NAME):
         if (directory / name).is_file():
-            store.write(f"{key}/{name}", (directory / name).read_bytes(), fence=False)
+            store.write(f"{key}/{name}" if key else name, (directory / name).read_bytes(), fence=False)
+
+
+def save_selection_at_url(url: str, write: Callable[[Path], Any]) -> None:
+    """Keeps at ``url`` the selection that ``write(directory)`` saves in a scratch directory on this
+    machine (:func:`publish_selection`: whole or not at all); FileExistsError where ``url`` holds one."""
+    import tempfile
+
+    from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+    store = ObjectRunStore(url.rstrip("/"))
+    if store.read(MANIFEST_NAME) is not None:
+        raise FileExistsError(f"{url} holds a saved selection; choose a new URL for the selection")
+    with tempfile.TemporaryDirectory(prefix="rlhf-selection-") as scratch:
+        local = Path(scratch) / "selection"
+        write(local)
+        publish_selection(local, store, "")
 
 
 def fetch_selection(url: str, storage_options: dict[str, Any] | None = None) -> Path | None:

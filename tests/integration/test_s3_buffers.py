@@ -95,6 +95,40 @@ def test_inspect_and_convert_back_from_s3(s3_server, s3_source, local_source, tm
         assert a.read(torch.arange(96)).equal(b.read(torch.arange(96)))
 
 
+def test_a_selection_saved_at_a_url_is_kept_there_and_read_in_place(s3_server, s3_source, local_source, tmp_path,
+                                                                    monkeypatch):
+    """``filter --selection`` to a URL wrote a directory named ``s3:`` where it ran and said the selection
+    was saved; it is kept at the URL now, and every command that reads a buffer opens it there."""
+    from rlhf_pipeline.storage import open_buffer
+
+    monkeypatch.chdir(tmp_path)
+    url = s3_server.url("kept-selection")
+    where = "reward > 0.3"
+    said = command(s3_server, "filter", s3_source, url, "--where", where, "--selection").stdout
+    assert f"{url}: a selection of {s3_source} (no rows copied)" in said
+    assert list(tmp_path.iterdir()) == [] and "selection.json" in s3_server.keys(url)
+    command(s3_server, "filter", str(local_source), str(tmp_path / "here"), "--where", where, "--selection")
+    stats = json.loads(command(s3_server, "inspect", url, "--json").stdout)
+    assert stats["backend"] == "selection" and 0 < stats["rows"] < 96
+    with mock_env(s3_server), open_buffer(url) as there, open_buffer(str(tmp_path / "here")) as here:
+        assert len(there) == len(here) == stats["rows"]
+        assert there.read(torch.arange(len(there))).equal(here.read(torch.arange(len(here))))
+    assert "no damage found" in command(s3_server, "inspect", "--verify", url).stdout
+    again = command(s3_server, "filter", url, s3_server.url("narrower"), "--where", "reward > 0.6", "--selection")
+    assert f"a selection of {url}" in again.stdout
+    with pytest.raises(AssertionError, match="holds a saved selection; choose a new URL"):
+        command(s3_server, "filter", s3_source, url, "--where", where, "--selection")
+    with pytest.raises(AssertionError, match=f"reads its rows in place from any machine, and {local_source}"):
+        command(s3_server, "filter", str(local_source), s3_server.url("of-local-rows"), "--where", where,
+                "--selection")
+
+
+def mock_env(server):
+    from unittest import mock
+
+    return mock.patch.dict(os.environ, server.env(), clear=True)
+
+
 def test_replay_from_s3_trains_on_the_same_rows_as_from_disk(s3_server, s3_source, local_source, tmp_path):
     home = tmp_path / "home"
     command(s3_server, "replay", DEFAULT, "--buffer", s3_source, "--steps", "3", "--order", "sequential",
