@@ -1,6 +1,7 @@
 """``rlhf-pipeline convert SRC DST --to zarr|memmap``: copy a buffer to the other backend.
 
-Takes what ``inspect`` takes: a single store, or a run's buffer of ``shard-NNNN`` stores,
+Takes what ``inspect`` takes: a single store, a saved selection (its rows copied into a store of
+their own), or a run's buffer of ``shard-NNNN`` stores,
 which is converted shard by shard into ``DST/shard-NNNN`` (a sharded buffer again, which
 a learner reads the same way); a shard still being made is left out, saying so. Streams one
 segment at a time (memory stays at about one segment), shows progress, and with ``--verify``
@@ -109,6 +110,7 @@ def _destination_problem(src: str, dst: str) -> str | None:
 
 def _describe(dst: str, stats, verified: bool) -> str:
     checked = ", every row verified" if verified else ""
-    return (f"{dst}: {stats.rows} rows in {stats.segments} segments, {stats.bytes_on_disk} bytes on disk (as du "
-            f"counts them), disk/raw {stats.disk_bytes_per_raw_byte:.3f} (raw payload {stats.raw_bytes} bytes; "
+    counted = "the objects' sizes" if "://" in dst else "as du counts them"
+    return (f"{dst}: {stats.rows} rows in {stats.segments} segments, {stats.bytes_on_disk} bytes on disk ({counted}), "
+            f"disk/raw {stats.disk_bytes_per_raw_byte:.3f} (raw payload {stats.raw_bytes} bytes; "
             f"below 1: smaller than the raw payload){checked}")

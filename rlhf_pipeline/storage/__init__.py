@@ -67,14 +67,14 @@ def open_buffer(location, mode: str = "r", **options) -> TrajectoryStore:
         from rlhf_pipeline.storage.continued import open_continued
 
         return open_continued(location, continues, mode=mode, **options)
-    if is_selection(location):
-        return SelectionStore.open(location, mode=mode, **options)
     listed = None
     if is_url(location):  # one LIST, handed to the reader of the shards (which would list again)
         try:
             listed = list_shards(location, options.get("storage_options"))
         except OSError:  # as is_sharded_buffer: then it is no sharded buffer, and opening the store says why
             listed = []
+    if not listed and is_selection(location):  # at a URL, one HEAD more only where no shards were listed
+        return SelectionStore.open(location, mode=mode, **options)
     if listed or (listed is None and is_sharded_buffer(location)):
         if mode != "r":
             raise ReadOnlyStoreError(

@@ -30,6 +30,18 @@ def segment_rows_of(store: TrajectoryStore) -> int:
     return DEFAULT_SEGMENT_ROWS
 
 
+def _open_source(location: str) -> TrajectoryStore:
+    """The store at ``location``, or the rows a saved selection there names (``filter --selection``),
+    which a conversion copies into a store of their own."""
+    from rlhf_pipeline.storage.manifest import is_selection
+
+    if is_selection(location):
+        from rlhf_pipeline.storage import open_buffer
+
+        return open_buffer(location, mode="r")
+    return open_store(location, mode="r")
+
+
 def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
             progress: Callable[[int, int], None] | None = None, **dst_options: Any) -> StoreStats:
     """Copies the buffer at ``src`` into a new ``to`` store (``"zarr"`` or ``"memmap"``) at ``dst``.
@@ -41,7 +53,7 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
     leaves no store that looks like a finished one with fewer rows.
     """
     target_cls = backend_class(to)
-    with open_store(src, mode="r") as source:
+    with _open_source(src) as source:
         rows_per_step = segment_rows_of(source) if segment_rows is None else segment_rows
         capacity = getattr(source, "capacity_rows", None)
         dst_options.setdefault("segment_rows", rows_per_step)
@@ -66,7 +78,7 @@ def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,
 
 def verify(src: str, dst: str, *, rows_per_step: int = DEFAULT_SEGMENT_ROWS) -> int:
     """Compares every held row of two buffers (any backends); returns the row count or raises."""
-    with open_store(src, mode="r") as a, open_store(dst, mode="r") as b:
+    with _open_source(src) as a, open_store(dst, mode="r") as b:
         if len(a) != len(b) or a.schema != b.schema:
             raise ValueError(f"{src} holds {len(a)} rows of {a.schema.field_names}, {dst} holds "
                              f"{len(b)} rows of {b.schema.field_names}")

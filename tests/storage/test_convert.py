@@ -77,6 +77,21 @@ def test_cli_convert_with_verify(tmp_path, capsys):
     assert "segment_rows must be >= 1, got 0" in capsys.readouterr().err and not (tmp_path / "zero").exists()
 
 
+def test_cli_converts_a_saved_selection_into_a_store_of_its_rows(tmp_path, capsys):
+    """``convert`` of a ``filter --selection`` was refused as "not a store: read it with open_buffer(...)",
+    a Python hint for a command-line user; its rows are copied into a store that needs no source."""
+    import shutil
+
+    src, sel, dst = str(tmp_path / "src"), str(tmp_path / "sel"), str(tmp_path / "dst")
+    rows = _fill(src, "memmap", batches=4)
+    assert main(["filter", src, sel, "--where", "policy_version >= 2", "--selection", "--quiet"]) == 0
+    assert main(["convert", sel, dst, "--to", "zarr", "--verify", "--quiet"]) == 0
+    assert f"{dst}: 24 rows" in capsys.readouterr().out
+    shutil.rmtree(src)  # the copy holds its rows: the selection's source is no longer needed
+    with open_store(dst) as store:
+        assert store.read(torch.arange(len(store))).equal(rows.select(torch.arange(24, 48)))
+
+
 def test_cli_converts_a_sharded_buffer_shard_by_shard_and_names_the_ratio_one_way(tmp_path, capsys):
     import json
 
