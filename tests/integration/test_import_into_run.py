@@ -59,7 +59,8 @@ def run_at(location: str, *, collected: bool = False, versions: int = 1) -> RunP
     return paths
 
 
-def write_jsonl(path, groups: int, *, log_probs: bool = False):
+def write_jsonl(path, groups: int, *, log_probs: bool = False, ids: bool = False):
+    """``groups`` groups of 4 sums; ``ids``: with group and trajectory ids, counted from 0 as a run's export's."""
     records = []
     for g in range(groups):
         a, b = g % 17, (3 * g) % 13
@@ -69,6 +70,8 @@ def write_jsonl(path, groups: int, *, log_probs: bool = False):
                       "reward": float(d == 0)}
             if log_probs:
                 record["log_probs"] = [-0.5] * (len(completion) + 1)  # + EOS
+            if ids:
+                record.update(group_id=g, trajectory_id=len(records))
             records.append(record)
     path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return path
@@ -143,7 +146,9 @@ def test_an_import_with_an_unsupported_url_scheme_is_refused(env, tmp_path, monk
 
 def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(s3_server, env, tmp_path):
     runs = {name: run_at(s3_server.url(name)) for name in ("killed", "clean")}
-    source = write_jsonl(tmp_path / "big.jsonl", 60, log_probs=True)  # 240 rows in appends of one group
+    # 240 rows in appends of one group, their ids given (numbered again in the import's shard, as the killed
+    # import numbered them before)
+    source = write_jsonl(tmp_path / "big.jsonl", 60, log_probs=True, ids=True)
     killed, clean = runs["killed"], runs["clean"]
     shard = f"{killed.url}/buffer/{IMPORTED}"
     command = [*CLI, "import", str(source), killed.url, "--rows-per-chunk", "4", "--quiet"]
@@ -166,6 +171,7 @@ def test_an_import_into_a_run_at_a_url_killed_midway_resumes_without_duplicates(
     rows, expected = rows_of(shard), rows_of(f"{clean.url}/buffer/{IMPORTED}")
     assert len(rows) == 240 and rows["trajectory_id"].unique().numel() == 240
     assert rows.equal(expected)
+    assert set(collector_index_of(torch.cat([rows["group_id"], rows["trajectory_id"]])).tolist()) == {9000}
     store = ObjectRunStore(killed.url)
     record, = [k for k in store.list("imports")]
     assert record.startswith("import-")
