@@ -23,6 +23,7 @@ from rlhf_pipeline.files.run_store import RunStore
 from rlhf_pipeline.files.shard_names import IMPORT_SHARD_FIRST, shard_index, shard_key_of
 from rlhf_pipeline.pipeline import RunPaths
 from rlhf_pipeline.storage.buffers import list_shards
+from rlhf_pipeline.storage.manifest import is_selection, selection_source
 
 RECORD_FORMAT = 1
 
@@ -54,6 +55,9 @@ def resolve_target(buffer: str | Path, run: RunPaths | Path | None) -> Target:
                               f"import into a local path and copy it with `rlhf-pipeline convert`") from None
     else:
         location = str(Path(buffer).resolve())
+    if run is None and is_selection(location):
+        raise SourceError(f"{buffer} is a saved selection, rows of other stores read in place, which takes no rows of "
+                          f"its own: import into its source ({selection_source(location)}) or into a new store")
     if run is None:
         return Target(location if is_url(location) else Path(location), None, None, False)
     run = run if isinstance(run, RunPaths) else RunPaths(run)

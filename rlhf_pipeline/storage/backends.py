@@ -118,7 +118,7 @@ def detect_backend(location: str) -> str:
         raise NotAStoreError(f"{location} is a directory of runs ({named}), not a buffer: give one of them, e.g. "
                              f"{os.path.join(location, runs[0])}")
     from rlhf_pipeline.files.shard_names import local_shard_names
-    from rlhf_pipeline.storage.manifest import is_selection
+    from rlhf_pipeline.storage.manifest import is_selection, selection_source
 
     # what open_buffer reads but no single store's backend does: said as such, with the function that reads it
     if "://" not in location and local_shard_names(location):
@@ -126,7 +126,9 @@ def detect_backend(location: str) -> str:
                              f"read it with open_buffer({location!r}); open_store opens one store, e.g. one shard")
     if is_selection(location):
         raise NotAStoreError(f"{location} is a saved selection (a branch's parent-rows/, or filter --selection), rows "
-                             f"of other stores read in place, not a store: read it with open_buffer({location!r})")
+                             f"of other stores read in place, not a store: read-only, the commands that read a buffer "
+                             f"take it (in Python, open_buffer({location!r})); one that writes or repairs takes its "
+                             f"source, {selection_source(location)}")
     if "://" not in location and location.endswith(".zip") and os.path.isfile(location):
         import zipfile
 

@@ -47,6 +47,23 @@ def is_selection(location: str | os.PathLike) -> bool:
         return False
 
 
+def selection_source(location: str | os.PathLike) -> str:
+    """Where the saved selection at ``location`` reads its rows (its manifest's source), for messages:
+    what a command that writes or repairs takes instead; never raises."""
+    from rlhf_pipeline.files.run_store import RunStoreError
+
+    try:
+        if "://" in str(location):
+            from rlhf_pipeline.files.object_run_store import ObjectRunStore
+
+            raw = ObjectRunStore(str(location).rstrip("/")).read(SELECTION_MANIFEST)
+        else:
+            raw = (Path(location) / SELECTION_MANIFEST).read_bytes()
+        return str(json.loads(raw)["source"]["location"])
+    except (OSError, ValueError, KeyError, TypeError, RunStoreError):  # damaged or gone: said in general
+        return "the store it names"
+
+
 def _parse(raw: bytes, path: Path) -> dict[str, Any]:
     try:
         data = json.loads(raw)

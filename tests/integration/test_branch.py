@@ -277,7 +277,7 @@ def test_a_branch_of_a_run_with_collectors_replays_the_parents_rows_up_to_the_br
     from rlhf_pipeline.storage.errors import NotAStoreError
 
     for location in (parent / "buffer", branch / "parent-rows"):
-        with pytest.raises(NotAStoreError, match=r"read it with open_buffer\("):
+        with pytest.raises(NotAStoreError, match=r"open_buffer\("):
             open_store(location)
     # what a branch reads verifies: the parent's shard its parent-rows/ reads, checked byte by byte
     assert main(["inspect", str(branch / "parent-rows"), "--verify", "--quiet"]) == 0

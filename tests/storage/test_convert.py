@@ -79,12 +79,25 @@ def test_cli_convert_with_verify(tmp_path, capsys):
 
 def test_cli_converts_a_saved_selection_into_a_store_of_its_rows(tmp_path, capsys):
     """``convert`` of a ``filter --selection`` was refused as "not a store: read it with open_buffer(...)",
-    a Python hint for a command-line user; its rows are copied into a store that needs no source."""
+    a Python hint for a command-line user; its rows are copied into a store that needs no source. The
+    commands that write or repair refuse it naming its source (``import`` only after checking every row)."""
     import shutil
+
+    from pathlib import Path
 
     src, sel, dst = str(tmp_path / "src"), str(tmp_path / "sel"), str(tmp_path / "dst")
     rows = _fill(src, "memmap", batches=4)
     assert main(["filter", src, sel, "--where", "policy_version >= 2", "--selection", "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["repair", sel]) == 2
+    assert f"one that writes or repairs takes its source, {src}" in capsys.readouterr().err
+    source = tmp_path / "rows.jsonl"
+    source.write_text("".join(f'{{"prompt": "1+{d}=", "completion": "{1 + d}", "reward": 1.0, "group_id": 0}}\n'
+                              for d in range(4)))
+    pipeline = Path(__file__).resolve().parents[2] / "pipelines" / "default.py"
+    assert main(["import", str(source), sel, "--pipeline", str(pipeline)]) == 2
+    refused = capsys.readouterr().err
+    assert f"takes no rows of its own: import into its source ({src})" in refused and "[import: check]" not in refused
     assert main(["convert", sel, dst, "--to", "zarr", "--verify", "--quiet"]) == 0
     assert f"{dst}: 24 rows" in capsys.readouterr().out
     shutil.rmtree(src)  # the copy holds its rows: the selection's source is no longer needed
