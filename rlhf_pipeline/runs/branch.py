@@ -24,6 +24,7 @@ from typing import Any
 from rlhf_pipeline.coordination.eval_pins import PINNED_FROM
 from rlhf_pipeline.files.atomic import json_object
 from rlhf_pipeline.files.run_paths import RunPaths, is_url
+from rlhf_pipeline.files.shard_names import is_import_shard
 from rlhf_pipeline.files.settings_history import flat_settings, saved_settings, set_dotted, settings_in_force
 from rlhf_pipeline.files.state_files import StateFileError, load_state_bytes
 from rlhf_pipeline.pipeline import (
@@ -404,11 +405,15 @@ def main_message(new: str, lineage: dict[str, Any]) -> None:
     print(f"[branch] {new}: from {lineage['parent']} at step {lineage['step']} ({changed})", file=sys.stderr)
     print(f"[branch] {branch_message(new, lineage)}", file=sys.stderr)
     # with nothing changed a branch is expected to train what its parent did: with several collectors, it may not
-    if len(lineage.get("buffer_rows") or {}) > 1 and lineage.get("replay_source") is None \
-            and not lineage["settings_changed"]:
-        print(f"[branch] note: the parent's {len(lineage['buffer_rows'])} collectors each continue where they stood, "
+    if _collectors(lineage) > 1 and lineage.get("replay_source") is None and not lineage["settings_changed"]:
+        print(f"[branch] note: the parent's {_collectors(lineage)} collectors each continue where they stood, "
               f"but online the steps after {lineage['step']} may differ from the parent's: which rows a step takes "
               f"from each shard depends on timing (docs/branching.md#continuing-online)", file=sys.stderr)
+
+
+def _collectors(lineage: dict[str, Any]) -> int:
+    """The parent's collectors at the branch step: its shards less those ``import`` wrote."""
+    return sum(1 for name in lineage.get("buffer_rows") or {} if not is_import_shard(name))
 
 
 def refuse_evicting_parent(root: str | Path) -> None:
@@ -520,7 +525,7 @@ def branch_commands(paths: Any, lineage: dict[str, Any], parent_rows: str) -> di
         flags = ReplayOptions.recorded(settings.get("replay", {})).flags()  # each given back as recorded
         return {"replay": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", lineage["replay_source"],
                                       *flags, *place, *replay_sets])}
-    collectors = len(lineage.get("buffer_rows") or {})
+    collectors = _collectors(lineage)
     many = ["--collectors", str(collectors)] if collectors > 1 else []
     return {"online": shlex.join(["rlhf-pipeline", "run", pipeline, *many, *place, *sets]),
             "offline": shlex.join(["rlhf-pipeline", "replay", pipeline, "--buffer", parent_rows, *place,

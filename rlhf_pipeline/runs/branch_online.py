@@ -31,7 +31,8 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
     from rlhf_pipeline.files.run_paths import RunPaths
     from rlhf_pipeline.learn.checkpoint import run_checkpoints
     from rlhf_pipeline.runs.lineage import read_parent
-    from rlhf_pipeline.storage.buffers import shard_index
+    from rlhf_pipeline.files.shard_names import is_import_shard
+    from rlhf_pipeline.storage.buffers import join_shard, shard_index
 
     parent, rows = RunPaths.at(str(lineage["parent"])), lineage.get("buffer_rows") or {}
 
@@ -54,13 +55,16 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
         raise refuse("its parent is itself a branch (continuing a branch of a branch online is not there yet)")
     if parent_buffer == buffer.rstrip("/"):
         raise refuse(f"its buffer is its parent's ({buffer}): give the branch a buffer_url of its own")
-    states, histories = {}, []
+    states, histories, imported = {}, [], []
     for name, count in sorted(rows.items()):
         index = shard_index(name)
         if index is None:
             raise refuse("its parent keeps one single-store buffer (made before shards), not one shard per collector")
         if not count:
             continue  # that collector had written nothing: it starts afresh
+        if is_import_shard(name):  # rows `import` wrote: no collector goes on there, the branch reads them
+            imported.append(name)
+            continue
         history = PositionHistory(parent.store, history_key(f"collector/shard-{index:04d}.pt"))
         state = history.state_at(count)
         if state is None:
@@ -85,7 +89,27 @@ def prepare_online_branch(paths: Any, lineage: dict[str, Any], offline: Callable
         for held, history in histories:
             if held is not None:
                 _copy_parent_weights(parent, paths, history, held, int(lineage["policy_version"]))
+    for name in imported:
+        _mirror_import_shard(join_shard(parent_buffer, name), join_shard(buffer, name))
     write_continued_rows(buffer, parent_buffer, rows)
+
+
+def _mirror_import_shard(parent_shard: str, own_shard: str) -> None:
+    """An empty shard of the branch beside the parent's import shard, of its backend, schema and segment
+    size: a branch's buffer reads a parent's shard through its own of the same name (``storage/continued.py``),
+    so the learner that resumes from the branch step finds every shard its checkpoint drew from."""
+    from rlhf_pipeline.storage import create_store, open_store
+    from rlhf_pipeline.storage.convert import segment_rows_of
+    from rlhf_pipeline.storage.errors import StoreError
+
+    try:
+        open_store(own_shard, mode="r").close()
+        return  # made by a start killed before buffer.continues.json
+    except StoreError:
+        pass
+    with open_store(parent_shard, mode="r") as parent:
+        backend, schema, segment_rows = parent.backend_name, parent.schema, segment_rows_of(parent)
+    create_store(own_shard, backend, schema, segment_rows=segment_rows).close()
 
 
 def _copy_parent_weights(parent: Any, branch: Any, history: Any, oldest: int, newest: int) -> None:

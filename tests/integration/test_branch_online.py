@@ -219,6 +219,32 @@ def test_a_branch_killed_mid_run_resumes_online_to_what_it_trains_uninterrupted(
     assert same_rows(rows(killed / "buffer"), rows(parent / "buffer"))
 
 
+def test_a_branch_of_a_run_with_imported_rows_continues_online_reading_them(tmp_path, capsys):
+    """The shard an ``import`` wrote (shard-9000) was taken for a collector's: the branch's command said
+    ``--collectors 2`` for the parent's one, and online the branch was refused ("the parent keeps no state
+    of its collector 9000"). Now the branch reads the parent's imported rows through an empty shard of its
+    own of that name, and trains on as the parent did."""
+    home, parent = tmp_path, tmp_path / "parent"
+    first_part = command(home, "parent")
+    first_part[first_part.index("--steps") + 1] = "6"
+    ran = preloaded.run(first_part, cwd=REPO, capture_output=True, text=True, timeout=600,
+                        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert main(["export", str(parent), str(tmp_path / "rows.jsonl"), "--quiet"]) == 0
+    assert main(["import", str(tmp_path / "rows.jsonl"), str(parent), "--quiet"]) == 0
+    run(home, "parent")  # on to step 16, the imported shard beside the collector's
+    capsys.readouterr()
+    assert main(["branch", str(parent), "--from-step", str(BRANCH_AT), "same"]) == 0
+    said = capsys.readouterr().err
+    assert "--collectors" not in said and "collectors each continue" not in said, said
+    run(home, "same")
+    same = home / "same"
+    assert sorted(p.name for p in (same / "buffer").iterdir() if p.is_dir()) == ["shard-0000", "shard-9000"]
+    assert rows(same / "buffer") == rows(parent / "buffer")  # the imported rows among them, read in place
+    assert not rows(same / "buffer" / "shard-9000")  # and none of its own
+    assert trained(same) == trained(parent)
+
+
 def test_a_branch_of_a_parent_without_collector_histories_is_refused_online_in_one_line(tmp_path, capsys):
     home, parent, branch = tmp_path, tmp_path / "old", tmp_path / "b"
     (parent / "buffer" / "shard-0000").mkdir(parents=True)
