@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
         options["codec"] = args.codec
     if "://" not in args.src and not os.path.exists(args.src):
         raise CommandRefused(f"{args.src} does not exist")
+    if "://" in args.dst and args.to == "memmap":
+        raise CommandRefused(f"{args.dst} is a URL, where a buffer is a Zarr store: give --to zarr")
     args.src = buffer_given(args.src, "convert")
     problem = _destination_problem(args.src, args.dst)
     if problem is not None:

@@ -111,8 +111,9 @@ def run(args: argparse.Namespace) -> int:
         result = filter_buffer(args.src, args.dst, args.where, whole_groups=args.groups, selection=args.selection,
                                to=args.to, progress=progress, **options)
     except LocalOnlyStoreError:  # its own words are for Python callers
-        raise CommandRefused(f"{args.dst} is a URL, where a buffer is a Zarr store, and the source is a memmap "
-                             f"store: add --to zarr") from None
+        given = "--to memmap was given" if args.to == "memmap" else "the source is a memmap store"
+        raise CommandRefused(f"{args.dst} is a URL, where a buffer is a Zarr store, and {given}: give --to zarr") \
+            from None
     except (WhereError, StoreError, FileExistsError, ValueError) as exc:
         raise CommandRefused(str(exc)) from None
     finally:

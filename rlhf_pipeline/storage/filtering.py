@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from rlhf_pipeline.storage.base import StoreStats, TrajectoryStore
+from rlhf_pipeline.storage.errors import LocalOnlyStoreError
 from rlhf_pipeline.storage.filter_tables import GroupTable, TrajectoryTable
 from rlhf_pipeline.storage.new_buffer import check_zip_destination, new_store
 from rlhf_pipeline.storage.row_keys import Part, keys_of, parts_of, read_by_position
@@ -213,7 +214,10 @@ def filter_buffer(src: str | os.PathLike, dst: str | os.PathLike | None, where: 
             if selection:
                 _check_selection_at_url(str(dst), source)
             else:  # a selection is a directory whatever its name
-                check_zip_destination(str(dst), to or _backend_and_segment(source)[0])
+                backend = to or _backend_and_segment(source)[0]
+                check_zip_destination(str(dst), backend)
+                if "://" in str(dst) and backend == "memmap":  # before the rows are read, not when writing
+                    raise LocalOnlyStoreError(f"{dst} is a URL, where a buffer is a Zarr store, not a memmap one")
         expression = parse_where(where, stored_fields=source.schema.field_names)
         parts = parts_of(source)  # every read below names rows by global id within these parts
         chosen = select_positions(source, expression, whole_groups=whole_groups, chunk_rows=chunk_rows,

@@ -89,6 +89,19 @@ def test_inspect_and_convert_back_from_s3(s3_server, s3_source, local_source, tm
     verified = command(s3_server, "inspect", s3_source, "--verify", "--quiet").stdout
     assert "96 rows: no damage found" in verified
 
+    # a memmap buffer at a URL is refused before a row is read (filter said so after reading them all,
+    # blaming a memmap source for the --to memmap it was given)
+    elsewhere = s3_server.url("memmap-here")
+    for argv, said in ((["convert", s3_source, elsewhere, "--to", "memmap"], "Zarr store: give --to zarr"),
+                       (["filter", s3_source, elsewhere, "--where", "reward > 0", "--to", "memmap"],
+                        "--to memmap was given: give --to zarr"),
+                       (["filter", str(local_source), elsewhere, "--where", "reward > 0"],
+                        "the source is a memmap store: give --to zarr")):
+        with pytest.raises(AssertionError, match=said) as refused:
+            command(s3_server, *argv)
+        assert "[filter] rows" not in str(refused.value), argv
+    assert s3_server.keys(elsewhere) == []
+
     back = tmp_path / "back"
     command(s3_server, "convert", s3_source, str(back), "--to", "memmap", "--verify", "--quiet")
     with open_store(local_source) as a, open_store(back) as b:
