@@ -31,15 +31,39 @@ def segment_rows_of(store: TrajectoryStore) -> int:
 
 
 def _open_source(location: str) -> TrajectoryStore:
-    """The store at ``location``, or the rows a saved selection there names (``filter --selection``),
-    which a conversion copies into a store of their own."""
+    """The store at ``location``, as its rows are read: a saved selection there (``filter --selection``)
+    as the rows it names, and a shard of a branch continued online as its parent's rows then its own
+    (``storage/continued.py``); a conversion copies them into a store of their own."""
     from rlhf_pipeline.storage.manifest import is_selection
 
     if is_selection(location):
         from rlhf_pipeline.storage import open_buffer
 
         return open_buffer(location, mode="r")
-    return open_store(location, mode="r")
+    own = open_store(location, mode="r")
+    try:
+        return _continued_shard(location, own) or own
+    except BaseException:
+        own.close()
+        raise
+
+
+def _continued_shard(location: str, own: TrajectoryStore) -> TrajectoryStore | None:
+    from rlhf_pipeline.storage.buffers import join_shard
+    from rlhf_pipeline.storage.continued import ContinuedShard
+    from rlhf_pipeline.storage.continues import continued_rows
+
+    buffer, _, name = str(location).rstrip("/").rpartition("/")
+    continues = continued_rows(buffer) if buffer else None
+    rows = int((continues or {}).get("rows", {}).get(name, 0))
+    if not rows:
+        return None
+    parent = open_store(join_shard(str(continues["parent_buffer"]), name), mode="r")
+    try:
+        return ContinuedShard(parent, own, rows)
+    except BaseException:
+        parent.close()
+        raise
 
 
 def convert(src: str, dst: str, to: str, *, segment_rows: int | None = None,

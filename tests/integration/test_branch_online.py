@@ -132,6 +132,16 @@ def test_inspect_divides_a_branchs_checkpoint_rows_into_the_parents_and_its_own(
         assert rows - inherited <= own.next_row
 
 
+def test_convert_of_a_branch_continued_online_copies_the_rows_it_reads(runs, tmp_path, capsys):
+    """convert copied only the branch's own shards (the rows after the branch step), saying nothing of
+    the parent's that its buffer reads first: the copy now holds both, a buffer that stands alone."""
+    home, parent, at_step = runs
+    same, copy = home / "same", tmp_path / "copy"
+    assert main(["convert", str(same), str(copy), "--to", "zarr", "--verify", "--quiet"]) == 0
+    assert rows(copy / "shard-0000") == rows(same / "buffer")  # one collector: one shard
+    assert len(rows(copy / "shard-0000")) > at_step["shard-0000"] > 0
+
+
 def test_the_parent_keeps_the_weights_its_kept_steps_branches_sample_with_and_no_more(runs):
     """Beside its newest three versions the learner keeps, for each kept checkpoint, those from the one
     its collector held at the checkpoint's rows up to the checkpoint's own: what the branch above sampled
